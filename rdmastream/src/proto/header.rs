@@ -1,0 +1,358 @@
+//! Block header and trailer (the "seal"): the bytes at the start and right after the payload of
+//! every memory block. The layout is specified in docs/protocol.md; keep the two in step.
+//!
+//! All integers are little-endian. A block is `HEADER_LEN` bytes of header, `payload_len` bytes of
+//! payload and `TRAILER_LEN` bytes of trailer; the rest of the memory block is unused.
+
+/// Version of the block layout written into every header.
+pub const BLOCK_VERSION: u8 = 1;
+/// Bytes of header at the start of every memory block.
+pub const HEADER_LEN: usize = 40;
+/// Bytes of trailer right after the payload.
+pub const TRAILER_LEN: usize = 12;
+/// Header + trailer: what a block costs besides its payload.
+pub const OVERHEAD: usize = HEADER_LEN + TRAILER_LEN;
+/// Last byte of the trailer; a zeroed or half-written block does not end in it.
+const TRAILER_MAGIC: u8 = 0x5A;
+
+/// Status byte of a receiver memory block (paper section 3.2.1).
+pub mod status {
+    /// The block holds no data; the sender may write it.
+    pub const EMPTY: u8 = 0;
+    /// The block holds data the receiver has not processed yet.
+    pub const FULL: u8 = 1;
+    /// The block is unavailable (retained by the receiver); the sender skips it.
+    pub const RETAINED: u8 = 2;
+}
+
+/// Header flags.
+pub mod flags {
+    /// The device's stream ends with this message (its payload is empty).
+    pub const END_OF_STREAM: u8 = 0x01;
+    /// The payload is a format descriptor (see [`crate::proto::Format`]), not frame data.
+    pub const FORMAT: u8 = 0x02;
+    /// All flags this version knows; a header with any other bit set is rejected.
+    pub const KNOWN: u8 = END_OF_STREAM | FORMAT;
+}
+
+/// Decoded block header. One frame (or format descriptor, or end of stream) is a message of
+/// `fragment_count` blocks with consecutive packet numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHeader {
+    /// Device number (paper: 1 byte).
+    pub device: u8,
+    /// Packet number, per device, counting blocks and wrapping at 65536 (paper: 2 bytes).
+    pub packet: u16,
+    /// [`flags`] bits.
+    pub flags: u8,
+    /// Index of this block within its message, from 0.
+    pub fragment_index: u16,
+    /// Number of blocks in the message (at least 1).
+    pub fragment_count: u16,
+    /// Payload bytes in this block.
+    pub payload_len: u32,
+    /// Per-device frame index (from 0); for a format or end-of-stream message, the index the
+    /// next frame will have.
+    pub frame_index: u64,
+    /// Capture time, nanoseconds since the UNIX epoch (0 when unknown).
+    pub timestamp_ns: u64,
+    /// Payload bytes of the whole message, over all fragments.
+    pub message_len: u32,
+    /// Duration of the frame in nanoseconds (0 when unknown).
+    pub duration_ns: u32,
+}
+
+/// Why a block was rejected. Each kind is counted separately by the receiver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BlockError {
+    /// The block is shorter than a header.
+    TooShort,
+    /// The header carries a layout version this build does not speak.
+    BadVersion,
+    /// The header length field is not `HEADER_LEN`.
+    BadHeaderLen,
+    /// Unknown flag bits.
+    BadFlags,
+    /// Payload length does not fit in the block.
+    LengthOverBlock,
+    /// Fragment index/count inconsistent, or payload bigger than the message.
+    BadFragment,
+    /// Device number not accepted by the receiver.
+    DeviceOutOfRange,
+    /// Trailer does not repeat the header or its CRC32C does not match: a torn or stale block.
+    BadSeal,
+}
+
+impl BlockError {
+    /// Short stable name, used in logs and stats.
+    pub fn name(self) -> &'static str {
+        match self {
+            BlockError::TooShort => "too-short",
+            BlockError::BadVersion => "bad-version",
+            BlockError::BadHeaderLen => "bad-header-len",
+            BlockError::BadFlags => "bad-flags",
+            BlockError::LengthOverBlock => "length-over-block",
+            BlockError::BadFragment => "bad-fragment",
+            BlockError::DeviceOutOfRange => "device-out-of-range",
+            BlockError::BadSeal => "bad-seal",
+        }
+    }
+}
+
+impl std::fmt::Display for BlockError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Largest payload a memory block of `block_size` bytes can carry.
+pub fn payload_capacity(block_size: usize) -> usize {
+    block_size.saturating_sub(OVERHEAD)
+}
+
+impl BlockHeader {
+    /// Writes header, `payload` and trailer into `block` and returns the number of bytes used
+    /// (what the sending thread must WRITE). Panics if the block is too small: the filling
+    /// thread sizes fragments with [`payload_capacity`], so that is a bug, not bad input.
+    pub fn encode_block(&self, payload: &[u8], block: &mut [u8]) -> usize {
+        let used = self.write_header_and_payload(payload, block);
+        self.seal(block);
+        used
+    }
+
+    /// Writes the header and copies `payload` after it, without the trailer; [`Self::seal`]
+    /// must follow. Split so a caller can produce the payload in place.
+    pub fn write_header_and_payload(&self, payload: &[u8], block: &mut [u8]) -> usize {
+        assert_eq!(
+            payload.len(),
+            self.payload_len as usize,
+            "payload_len mismatch"
+        );
+        let used = OVERHEAD + payload.len();
+        assert!(used <= block.len(), "block too small for payload");
+        self.write_header(&mut block[..HEADER_LEN]);
+        block[HEADER_LEN..HEADER_LEN + payload.len()].copy_from_slice(payload);
+        used
+    }
+
+    fn write_header(&self, h: &mut [u8]) {
+        h[0] = self.device;
+        h[1..3].copy_from_slice(&self.packet.to_le_bytes());
+        h[3] = BLOCK_VERSION;
+        h[4] = self.flags;
+        h[5] = 0;
+        h[6..8].copy_from_slice(&self.fragment_index.to_le_bytes());
+        h[8..10].copy_from_slice(&self.fragment_count.to_le_bytes());
+        h[10..12].copy_from_slice(&(HEADER_LEN as u16).to_le_bytes());
+        h[12..16].copy_from_slice(&self.payload_len.to_le_bytes());
+        h[16..24].copy_from_slice(&self.frame_index.to_le_bytes());
+        h[24..32].copy_from_slice(&self.timestamp_ns.to_le_bytes());
+        h[32..36].copy_from_slice(&self.message_len.to_le_bytes());
+        h[36..40].copy_from_slice(&self.duration_ns.to_le_bytes());
+    }
+
+    /// Writes the trailer after a header and payload already in `block`.
+    pub fn seal(&self, block: &mut [u8]) {
+        let end = HEADER_LEN + self.payload_len as usize;
+        let crc = crc32c::crc32c(&block[..end]);
+        let t = &mut block[end..end + TRAILER_LEN];
+        t[0..4].copy_from_slice(&self.payload_len.to_le_bytes());
+        t[4..6].copy_from_slice(&self.packet.to_le_bytes());
+        t[6] = self.device;
+        t[7] = TRAILER_MAGIC;
+        t[8..12].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    /// Decodes and checks a block: header fields, bounds, and the seal (trailer repeats
+    /// length, packet and device; CRC32C over header and payload). Returns the header and the
+    /// payload slice. `max_device` is the highest device number the receiver accepts.
+    pub fn decode_block(block: &[u8], max_device: u8) -> Result<(BlockHeader, &[u8]), BlockError> {
+        let h = Self::decode_header(block, max_device)?;
+        let end = HEADER_LEN + h.payload_len as usize;
+        let t = &block[end..end + TRAILER_LEN];
+        let crc = crc32c::crc32c(&block[..end]);
+        if t[0..4] != h.payload_len.to_le_bytes()
+            || t[4..6] != h.packet.to_le_bytes()
+            || t[6] != h.device
+            || t[7] != TRAILER_MAGIC
+            || t[8..12] != crc.to_le_bytes()
+        {
+            return Err(BlockError::BadSeal);
+        }
+        Ok((h, &block[HEADER_LEN..end]))
+    }
+
+    /// Decodes and range-checks the header only (no seal check).
+    pub fn decode_header(block: &[u8], max_device: u8) -> Result<BlockHeader, BlockError> {
+        if block.len() < OVERHEAD {
+            return Err(BlockError::TooShort);
+        }
+        let b = block;
+        let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        if b[3] != BLOCK_VERSION {
+            return Err(BlockError::BadVersion);
+        }
+        if u16_at(10) as usize != HEADER_LEN {
+            return Err(BlockError::BadHeaderLen);
+        }
+        let h = BlockHeader {
+            device: b[0],
+            packet: u16_at(1),
+            flags: b[4],
+            fragment_index: u16_at(6),
+            fragment_count: u16_at(8),
+            payload_len: u32_at(12),
+            frame_index: u64_at(16),
+            timestamp_ns: u64_at(24),
+            message_len: u32_at(32),
+            duration_ns: u32_at(36),
+        };
+        if h.flags & !flags::KNOWN != 0 {
+            return Err(BlockError::BadFlags);
+        }
+        if h.payload_len as usize > payload_capacity(block.len()) {
+            return Err(BlockError::LengthOverBlock);
+        }
+        if h.fragment_count == 0
+            || h.fragment_index >= h.fragment_count
+            || h.payload_len > h.message_len
+        {
+            return Err(BlockError::BadFragment);
+        }
+        if h.device > max_device {
+            return Err(BlockError::DeviceOutOfRange);
+        }
+        Ok(h)
+    }
+
+    /// True for the block that ends a device's stream.
+    pub fn is_end_of_stream(&self) -> bool {
+        self.flags & flags::END_OF_STREAM != 0
+    }
+
+    /// True when the payload is a format descriptor.
+    pub fn is_format(&self) -> bool {
+        self.flags & flags::FORMAT != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> BlockHeader {
+        BlockHeader {
+            device: 7,
+            packet: 65535,
+            flags: 0,
+            fragment_index: 1,
+            fragment_count: 3,
+            payload_len: 5,
+            frame_index: 1 << 40,
+            timestamp_ns: 1_700_000_000_123_456_789,
+            message_len: 15,
+            duration_ns: 40_000_000,
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let h = sample();
+        let mut block = vec![0xEE; 128];
+        let used = h.encode_block(b"hello", &mut block);
+        assert_eq!(used, OVERHEAD + 5);
+        let (d, p) = BlockHeader::decode_block(&block, 255).unwrap();
+        assert_eq!(d, h);
+        assert_eq!(p, b"hello");
+    }
+
+    #[test]
+    fn layout_is_little_endian_at_documented_offsets() {
+        let h = sample();
+        let mut block = vec![0; 128];
+        h.encode_block(b"hello", &mut block);
+        assert_eq!(block[0], 7);
+        assert_eq!(&block[1..3], &[0xFF, 0xFF]);
+        assert_eq!(block[3], BLOCK_VERSION);
+        assert_eq!(&block[6..8], &[1, 0]);
+        assert_eq!(&block[8..10], &[3, 0]);
+        assert_eq!(&block[10..12], &[40, 0]);
+        assert_eq!(&block[12..16], &[5, 0, 0, 0]);
+        assert_eq!(&block[16..24], &(1u64 << 40).to_le_bytes());
+        assert_eq!(&block[40..45], b"hello");
+        assert_eq!(&block[45..49], &[5, 0, 0, 0]);
+        assert_eq!(block[52], 0x5A);
+    }
+
+    #[test]
+    fn every_flipped_byte_is_caught() {
+        let h = sample();
+        let mut block = vec![0; OVERHEAD + 5];
+        h.encode_block(b"hello", &mut block);
+        for i in 0..block.len() {
+            let mut bad = block.clone();
+            bad[i] ^= 0x10;
+            assert!(
+                BlockHeader::decode_block(&bad, 255).is_err(),
+                "flip at byte {i} not caught"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_headers_are_rejected_by_kind() {
+        let h = sample();
+        let mut block = vec![0; 64];
+        h.encode_block(b"hello", &mut block);
+        let check = |mutate: &dyn Fn(&mut Vec<u8>), want: BlockError, max_dev: u8| {
+            let mut b = block.clone();
+            mutate(&mut b);
+            assert_eq!(BlockHeader::decode_block(&b, max_dev).unwrap_err(), want);
+        };
+        check(&|b| b.truncate(20), BlockError::TooShort, 255);
+        check(&|b| b[3] = 9, BlockError::BadVersion, 255);
+        check(&|b| b[10] = 32, BlockError::BadHeaderLen, 255);
+        check(&|b| b[4] = 0x80, BlockError::BadFlags, 255);
+        check(
+            &|b| b[12..16].copy_from_slice(&1000u32.to_le_bytes()),
+            BlockError::LengthOverBlock,
+            255,
+        );
+        check(
+            &|b| b[8..10].copy_from_slice(&0u16.to_le_bytes()),
+            BlockError::BadFragment,
+            255,
+        );
+        check(
+            &|b| b[6..8].copy_from_slice(&3u16.to_le_bytes()),
+            BlockError::BadFragment,
+            255,
+        );
+        check(
+            &|b| b[32..36].copy_from_slice(&2u32.to_le_bytes()),
+            BlockError::BadFragment,
+            255,
+        );
+        check(&|_| {}, BlockError::DeviceOutOfRange, 6);
+        check(&|b| b[45] ^= 1, BlockError::BadSeal, 255);
+        // A zeroed block (never written) is not a valid block.
+        assert!(BlockHeader::decode_block(&[0u8; 64], 255).is_err());
+    }
+
+    #[test]
+    fn stale_block_with_other_packet_number_fails_the_seal() {
+        // Header of a new message over the trailer of an old one: the torn-write case.
+        let mut old = vec![0; 64];
+        sample().encode_block(b"hello", &mut old);
+        let mut newer = sample();
+        newer.packet = 3;
+        let mut torn = old.clone();
+        newer.write_header_and_payload(b"hello", &mut torn);
+        assert_eq!(
+            BlockHeader::decode_block(&torn, 255).unwrap_err(),
+            BlockError::BadSeal
+        );
+    }
+}

@@ -1,0 +1,40 @@
+//! The protocol core: block layout, sender and receiver decisions. No IO, no threads, no clock
+//! reads: time comes in as an argument. Everything here is deterministic and tested by the
+//! simulator in [`crate::sim`].
+#![forbid(unsafe_code)]
+
+pub mod format;
+pub mod handshake;
+pub mod header;
+pub mod packetizer;
+pub mod reorder;
+pub mod sender;
+
+pub use format::Format;
+pub use header::{
+    BlockError, BlockHeader, HEADER_LEN, OVERHEAD, TRAILER_LEN, payload_capacity, status,
+};
+pub use packetizer::{DeviceNumbering, MessageKind, fragment_range};
+pub use reorder::{DeviceStream, Frame, Packet, ReorderConfig, ReorderStats, StreamEvent};
+pub use sender::{Action, RemoteLayout, SenderMachine, SenderStats};
+
+/// Scans status bytes round-robin for the next full block, like the paper's receiving thread.
+#[derive(Debug, Default, Clone)]
+pub struct BlockScanner {
+    cursor: usize,
+}
+
+impl BlockScanner {
+    /// Next block index whose status (from `status_of`) is FULL, starting after the last one
+    /// found; `None` if no block is full.
+    pub fn next_full(&mut self, n: usize, mut status_of: impl FnMut(usize) -> u8) -> Option<usize> {
+        for k in 0..n {
+            let j = (self.cursor + k) % n;
+            if status_of(j) == status::FULL {
+                self.cursor = (j + 1) % n;
+                return Some(j);
+            }
+        }
+        None
+    }
+}

@@ -1,0 +1,422 @@
+//! Per-device reordering by packet number and reassembly of fragments into messages, as an
+//! IO-free state machine (one per sender and device on the receiver).
+//!
+//! Call order: [`DeviceStream::handle_packet`] for every valid block of this device (any
+//! order); drain [`DeviceStream::poll_event`]; when [`DeviceStream::poll_timeout`] passes, call
+//! [`DeviceStream::handle_timeout`] and drain again.
+//!
+//! Packet numbers are compared with serial-number arithmetic (RFC 1982 style, 16 bits): a packet
+//! less than half the number space ahead of the expected one is ahead, otherwise behind (a
+//! duplicate or a packet given up on). Memory is bounded: at most `window` packets are held.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::header::BlockHeader;
+
+/// Reordering limits.
+#[derive(Debug, Clone, Copy)]
+pub struct ReorderConfig {
+    /// Most packets held while waiting for a missing one; a packet further ahead forces the
+    /// missing ones to be given up (counted as a gap).
+    pub window: u16,
+    /// How long a missing packet is waited for while later ones are held.
+    pub timeout: Duration,
+}
+
+impl Default for ReorderConfig {
+    fn default() -> Self {
+        ReorderConfig {
+            window: 64,
+            timeout: Duration::from_millis(200),
+        }
+    }
+}
+
+/// One valid block, copied out of its memory block.
+#[derive(Debug, Clone)]
+pub struct Packet {
+    pub header: BlockHeader,
+    pub payload: Vec<u8>,
+}
+
+/// A complete frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    pub device: u8,
+    pub index: u64,
+    pub timestamp_ns: u64,
+    pub duration_ns: u32,
+    pub data: Vec<u8>,
+}
+
+/// What comes out of a device stream, in packet order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamEvent {
+    Frame(Frame),
+    /// A new format descriptor for the frames that follow (first frame index given).
+    Format {
+        frame_index: u64,
+        descriptor: Vec<u8>,
+    },
+    /// The sender ended this device's stream.
+    EndOfStream {
+        frame_index: u64,
+    },
+}
+
+/// Counters of one device stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReorderStats {
+    /// Packets given up on (never arrived within window/timeout).
+    pub gap_packets: u64,
+    /// Packets that arrived behind the expected number (already delivered or given up).
+    pub duplicates: u64,
+    /// Packets that arrived out of order and were held.
+    pub reordered: u64,
+    /// Messages dropped because a fragment was missing or inconsistent.
+    pub partial_messages: u64,
+}
+
+struct Assembly {
+    first: BlockHeader,
+    next_fragment: u16,
+    data: Vec<u8>,
+}
+
+/// Reorder buffer and reassembler of one device.
+pub struct DeviceStream {
+    cfg: ReorderConfig,
+    /// Packet number of `slots[0]`; `None` until the first packet.
+    expected: Option<u16>,
+    /// `slots[k]` holds packet `expected + k` if it arrived.
+    slots: VecDeque<Option<Packet>>,
+    /// Since when the head of the buffer is missing while later packets wait.
+    stalled_since: Option<Instant>,
+    assembly: Option<Assembly>,
+    /// A message was already counted as lost: skip its remaining fragments silently.
+    discarding: bool,
+    events: VecDeque<StreamEvent>,
+    stats: ReorderStats,
+}
+
+impl DeviceStream {
+    /// A stream that starts at whatever packet arrives first.
+    pub fn new(cfg: ReorderConfig) -> Self {
+        DeviceStream {
+            cfg: ReorderConfig {
+                window: cfg.window.clamp(1, 32768),
+                ..cfg
+            },
+            expected: None,
+            slots: VecDeque::new(),
+            stalled_since: None,
+            assembly: None,
+            discarding: false,
+            events: VecDeque::new(),
+            stats: ReorderStats::default(),
+        }
+    }
+
+    /// Feeds one packet of this device.
+    pub fn handle_packet(&mut self, now: Instant, packet: Packet) {
+        let number = packet.header.packet;
+        let expected = *self.expected.get_or_insert(number);
+        let ahead = number.wrapping_sub(expected);
+        if ahead >= 0x8000 {
+            self.stats.duplicates += 1;
+            return;
+        }
+        let window = self.cfg.window as usize;
+        let mut ahead = ahead as usize;
+        if ahead >= window {
+            // Too far ahead: give up on the oldest missing packets to make room.
+            let skip = ahead + 1 - window;
+            for _ in 0..skip {
+                self.advance_head();
+            }
+            ahead -= skip;
+        }
+        if self.slots.len() <= ahead {
+            self.slots.resize_with(ahead + 1, || None);
+        }
+        if self.slots[ahead].is_some() {
+            self.stats.duplicates += 1;
+            return;
+        }
+        if ahead > 0 {
+            self.stats.reordered += 1;
+        }
+        self.slots[ahead] = Some(packet);
+        self.drain_in_order();
+        self.update_stall(now);
+    }
+
+    /// Gives up on missing packets that were waited for longer than the timeout.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if let Some(since) = self.stalled_since
+            && now.saturating_duration_since(since) >= self.cfg.timeout
+        {
+            while matches!(self.slots.front(), Some(None)) {
+                self.advance_head();
+            }
+            self.drain_in_order();
+            self.stalled_since = None;
+            self.update_stall(now);
+        }
+    }
+
+    /// When [`Self::handle_timeout`] should next be called.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.stalled_since.map(|t| t + self.cfg.timeout)
+    }
+
+    /// Next event in order.
+    pub fn poll_event(&mut self) -> Option<StreamEvent> {
+        self.events.pop_front()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ReorderStats {
+        self.stats
+    }
+
+    /// Packets currently held waiting for a missing one.
+    pub fn held(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    /// The packet number expected next, once known.
+    pub fn expected(&self) -> Option<u16> {
+        self.expected
+    }
+
+    fn update_stall(&mut self, now: Instant) {
+        if self.slots.is_empty() {
+            self.stalled_since = None;
+        } else if self.stalled_since.is_none() {
+            self.stalled_since = Some(now);
+        }
+    }
+
+    /// Moves past the head slot, delivering it if present or counting it as a gap.
+    fn advance_head(&mut self) {
+        let head = self.slots.pop_front().flatten();
+        self.expected = self.expected.map(|e| e.wrapping_add(1));
+        match head {
+            Some(p) => self.assemble(p),
+            None => {
+                self.stats.gap_packets += 1;
+                self.lose_message();
+            }
+        }
+    }
+
+    fn drain_in_order(&mut self) {
+        while matches!(self.slots.front(), Some(Some(_))) {
+            self.advance_head();
+        }
+        if self.slots.is_empty() {
+            self.stalled_since = None;
+        }
+    }
+
+    fn assemble(&mut self, p: Packet) {
+        let h = p.header;
+        if h.fragment_index == 0 {
+            if self.assembly.take().is_some() {
+                self.stats.partial_messages += 1;
+            }
+            self.discarding = false;
+            if h.fragment_count == 1 {
+                if p.payload.len() == h.message_len as usize {
+                    self.emit(h, p.payload);
+                } else {
+                    self.stats.partial_messages += 1;
+                }
+                return;
+            }
+            let mut data = Vec::with_capacity(h.message_len as usize);
+            data.extend_from_slice(&p.payload);
+            self.assembly = Some(Assembly {
+                first: h,
+                next_fragment: 1,
+                data,
+            });
+            return;
+        }
+        let Some(mut a) = self.assembly.take() else {
+            self.lose_message();
+            return;
+        };
+        let consistent = a.next_fragment == h.fragment_index
+            && a.first.fragment_count == h.fragment_count
+            && a.first.frame_index == h.frame_index
+            && a.first.flags == h.flags
+            && a.first.message_len == h.message_len
+            && a.data.len() + p.payload.len() <= h.message_len as usize;
+        if !consistent {
+            self.assembly = Some(a);
+            self.lose_message();
+            return;
+        }
+        a.data.extend_from_slice(&p.payload);
+        a.next_fragment += 1;
+        if a.next_fragment == a.first.fragment_count {
+            if a.data.len() == a.first.message_len as usize {
+                self.emit(a.first, a.data);
+            } else {
+                self.stats.partial_messages += 1;
+            }
+        } else {
+            self.assembly = Some(a);
+        }
+    }
+
+    /// The message in progress (or the one whose first fragment went missing) cannot complete;
+    /// count it once and skip the rest of its fragments.
+    fn lose_message(&mut self) {
+        let had_assembly = self.assembly.take().is_some();
+        if had_assembly || !self.discarding {
+            self.stats.partial_messages += 1;
+        }
+        self.discarding = true;
+    }
+
+    fn emit(&mut self, h: BlockHeader, data: Vec<u8>) {
+        let event = if h.is_end_of_stream() {
+            StreamEvent::EndOfStream {
+                frame_index: h.frame_index,
+            }
+        } else if h.is_format() {
+            StreamEvent::Format {
+                frame_index: h.frame_index,
+                descriptor: data,
+            }
+        } else {
+            StreamEvent::Frame(Frame {
+                device: h.device,
+                index: h.frame_index,
+                timestamp_ns: h.timestamp_ns,
+                duration_ns: h.duration_ns,
+                data,
+            })
+        };
+        self.events.push_back(event);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::packetizer::{DeviceNumbering, MessageKind, fragment_range};
+
+    fn packets(n: &mut DeviceNumbering, frames: usize, len: usize, block: usize) -> Vec<Packet> {
+        let mut out = Vec::new();
+        for f in 0..frames {
+            let data: Vec<u8> = (0..len).map(|i| (i + f) as u8).collect();
+            let hs = n
+                .plan(1, MessageKind::Frame, len, block, f as u64, 0)
+                .unwrap();
+            for (k, h) in hs.into_iter().enumerate() {
+                let payload = data[fragment_range(k, len, block)].to_vec();
+                out.push(Packet { header: h, payload });
+            }
+        }
+        out
+    }
+
+    fn frames(s: &mut DeviceStream) -> Vec<u64> {
+        std::iter::from_fn(|| s.poll_event())
+            .map(|e| match e {
+                StreamEvent::Frame(f) => f.index,
+                other => panic!("{other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn reorders_and_reassembles_across_wrap() {
+        let now = Instant::now();
+        let mut n = DeviceNumbering::starting_at(65530, 0);
+        let mut ps = packets(&mut n, 6, 100, 60); // 2 fragments each (cap 8) ... see below
+        // block 60 - 52 overhead = 8 payload bytes per block: 13 fragments per frame.
+        assert_eq!(ps[0].header.fragment_count, 13);
+        // Swap neighbours pairwise: every packet arrives out of order.
+        for pair in ps.chunks_mut(2) {
+            pair.reverse();
+        }
+        let mut s = DeviceStream::new(ReorderConfig::default());
+        // First packet seen sets the start: feed the true first one first.
+        let first = ps.remove(1);
+        s.handle_packet(now, first);
+        for p in ps {
+            s.handle_packet(now, p);
+        }
+        assert_eq!(frames(&mut s), vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(s.stats().gap_packets, 0);
+        assert_eq!(s.held(), 0);
+    }
+
+    #[test]
+    fn missing_packet_is_given_up_after_timeout_and_counted() {
+        let now = Instant::now();
+        let mut n = DeviceNumbering::default();
+        let ps = packets(&mut n, 4, 5, 64);
+        let mut s = DeviceStream::new(ReorderConfig {
+            window: 8,
+            timeout: Duration::from_millis(10),
+        });
+        for (i, p) in ps.into_iter().enumerate() {
+            if i != 1 {
+                s.handle_packet(now, p);
+            }
+        }
+        assert_eq!(frames(&mut s), vec![0]);
+        let t = s.poll_timeout().unwrap();
+        s.handle_timeout(t - Duration::from_millis(1));
+        assert_eq!(frames(&mut s), Vec::<u64>::new());
+        s.handle_timeout(t);
+        assert_eq!(frames(&mut s), vec![2, 3]);
+        assert_eq!(s.stats().gap_packets, 1);
+    }
+
+    #[test]
+    fn window_bounds_memory_and_duplicates_are_dropped() {
+        let now = Instant::now();
+        let mut n = DeviceNumbering::default();
+        let ps = packets(&mut n, 20, 5, 64);
+        let mut s = DeviceStream::new(ReorderConfig {
+            window: 4,
+            timeout: Duration::from_secs(60),
+        });
+        s.handle_packet(now, ps[0].clone());
+        for p in &ps[2..] {
+            s.handle_packet(now, p.clone());
+            assert!(s.held() <= 4);
+        }
+        assert_eq!(frames(&mut s).len(), 19);
+        assert_eq!(s.stats().gap_packets, 1);
+        s.handle_packet(now, ps[1].clone());
+        s.handle_packet(now, ps[5].clone());
+        assert_eq!(s.stats().duplicates, 2);
+    }
+
+    #[test]
+    fn lost_fragment_drops_only_its_message() {
+        let now = Instant::now();
+        let mut n = DeviceNumbering::default();
+        let ps = packets(&mut n, 3, 20, 52 + 8); // 3 fragments each
+        let mut s = DeviceStream::new(ReorderConfig {
+            window: 2,
+            timeout: Duration::from_secs(60),
+        });
+        for (i, p) in ps.into_iter().enumerate() {
+            if i != 4 {
+                s.handle_packet(now, p);
+            }
+        }
+        assert_eq!(frames(&mut s), vec![0, 2]);
+        assert_eq!(s.stats().partial_messages, 1);
+    }
+}

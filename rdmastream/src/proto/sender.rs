@@ -1,0 +1,426 @@
+//! The sending thread's decisions, as an IO-free state machine.
+//!
+//! Call order, for one connection at a time:
+//! 1. [`SenderMachine::handle_connected`] once the handshake told us the receiver's region.
+//! 2. Feed [`SenderMachine::handle_filled`] whenever the filling thread hands over a send block.
+//! 3. Drain [`SenderMachine::poll_action`] and carry out every action (post the chain / the read).
+//! 4. Feed completions back: [`SenderMachine::handle_write_completed`],
+//!    [`SenderMachine::handle_sync_completed`] (with the status bytes that the READ brought in).
+//! 5. Drain [`SenderMachine::poll_freed`] and return those send blocks to the filling thread.
+//! 6. When nothing is to do, wait for new input or until [`SenderMachine::poll_timeout`].
+//!
+//! On a dropped connection call [`SenderMachine::handle_disconnected`]: chains whose completion
+//! never arrived are queued again (in their original order) for the next connection, so numbering
+//! carries on and the receiver can drop what it already had.
+//!
+//! The remote status cache (the paper's "second status byte memory block") is only ever
+//! refreshed by a whole-array READ (the sync), and the sync is posted only when no write chain is
+//! outstanding, so the bytes it returns already include every status byte our own writes set.
+//! No write is decided while a sync is in flight (write-after-read is not ordered by RDMA).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::header::status;
+
+/// The receiver's region as the handshake describes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteLayout {
+    /// Number of receiver memory blocks (N).
+    pub blocks: usize,
+    /// Bytes per receiver memory block (B).
+    pub block_size: usize,
+}
+
+/// What the sending thread must do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Post one chain: RDMA WRITE of `len` bytes of send block `send_block` into remote block
+    /// `remote_block` (unsignaled), then an inline, signaled RDMA WRITE of status byte 1 to that
+    /// block's status byte. Completes with `wr_id`.
+    Write {
+        wr_id: u64,
+        send_block: usize,
+        remote_block: usize,
+        len: usize,
+    },
+    /// Post one RDMA READ of the whole remote status array into the status cache. Completes with
+    /// `wr_id`; hand the bytes read to [`SenderMachine::handle_sync_completed`].
+    Sync { wr_id: u64 },
+}
+
+/// Counters kept by the machine, for the status line and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SenderStats {
+    /// Write chains posted.
+    pub writes: u64,
+    /// Status READs posted.
+    pub syncs: u64,
+    /// Syncs that found no free remote block.
+    pub empty_syncs: u64,
+    /// Retained (status 2) blocks skipped while looking for a free block.
+    pub retained_skipped: u64,
+    /// Chains re-queued because their connection dropped before they completed.
+    pub requeued: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Filled {
+    send_block: usize,
+    len: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    wr_id: u64,
+    filled: Filled,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sync {
+    /// The cache is usable.
+    Idle,
+    /// A sync must be posted as soon as no write is outstanding (after connect, or when the
+    /// cache shows no free block).
+    Needed,
+    /// Backing off: the last sync found nothing free; try again at this time.
+    RetryAt(Instant),
+    /// Posted; no write may be decided until it completes.
+    InFlight(u64),
+}
+
+/// Decision logic of the sending thread. See the module docs for the call order.
+#[derive(Debug)]
+pub struct SenderMachine {
+    layout: Option<RemoteLayout>,
+    /// Cached remote status bytes (the paper's second status byte memory block).
+    remote: Vec<u8>,
+    /// Round-robin position: the next remote block to consider.
+    cursor: usize,
+    /// Filled send blocks waiting for a remote block, in fill order.
+    queue: VecDeque<Filled>,
+    /// Chains posted and not completed, in post order.
+    in_flight: VecDeque<InFlight>,
+    /// Send blocks whose chain completed: their local status byte is back to 0.
+    freed: VecDeque<usize>,
+    sync: Sync,
+    max_outstanding: usize,
+    backoff: Duration,
+    next_wr_id: u64,
+    stats: SenderStats,
+}
+
+/// Shortest and longest wait between two syncs that found no free block.
+const MIN_BACKOFF: Duration = Duration::from_micros(20);
+const MAX_BACKOFF: Duration = Duration::from_millis(2);
+
+impl SenderMachine {
+    /// A machine that keeps at most `max_outstanding` write chains posted at once (the send
+    /// queue depth in chains; at least 1).
+    pub fn new(max_outstanding: usize) -> Self {
+        SenderMachine {
+            layout: None,
+            remote: Vec::new(),
+            cursor: 0,
+            queue: VecDeque::new(),
+            in_flight: VecDeque::new(),
+            freed: VecDeque::new(),
+            sync: Sync::Needed,
+            max_outstanding: max_outstanding.max(1),
+            backoff: MIN_BACKOFF,
+            next_wr_id: 1,
+            stats: SenderStats::default(),
+        }
+    }
+
+    /// A connection is up with a fresh receiver region. The cache is unknown until the first
+    /// sync, which is the first action.
+    pub fn handle_connected(&mut self, layout: RemoteLayout) {
+        self.layout = Some(layout);
+        self.remote = vec![status::FULL; layout.blocks];
+        self.cursor = 0;
+        self.sync = Sync::Needed;
+        self.backoff = MIN_BACKOFF;
+    }
+
+    /// The connection dropped. Chains not known to be complete go back to the front of the
+    /// queue, oldest first, to be sent again on the next connection.
+    pub fn handle_disconnected(&mut self) {
+        self.layout = None;
+        self.stats.requeued += self.in_flight.len() as u64;
+        while let Some(f) = self.in_flight.pop_back() {
+            self.queue.push_front(f.filled);
+        }
+        self.sync = Sync::Needed;
+    }
+
+    /// The filling thread filled send block `send_block` with `len` bytes (header, payload,
+    /// trailer). Its local status byte is 1 from now until its chain completes.
+    pub fn handle_filled(&mut self, send_block: usize, len: usize) {
+        self.queue.push_back(Filled { send_block, len });
+    }
+
+    /// The signaled status WRITE of chain `wr_id` completed: the block and its status byte are
+    /// in the receiver's memory. Returns false for an unknown id.
+    pub fn handle_write_completed(&mut self, wr_id: u64) -> bool {
+        let Some(pos) = self.in_flight.iter().position(|f| f.wr_id == wr_id) else {
+            return false;
+        };
+        let done = self.in_flight.remove(pos).expect("position is in range");
+        self.freed.push_back(done.filled.send_block);
+        true
+    }
+
+    /// The sync READ `wr_id` completed and brought in `statuses` (the whole remote array).
+    pub fn handle_sync_completed(&mut self, now: Instant, wr_id: u64, statuses: &[u8]) -> bool {
+        if self.sync != Sync::InFlight(wr_id) {
+            return false;
+        }
+        let n = self.remote.len().min(statuses.len());
+        self.remote[..n].copy_from_slice(&statuses[..n]);
+        if self.remote.contains(&status::EMPTY) {
+            self.sync = Sync::Idle;
+            self.backoff = MIN_BACKOFF;
+        } else {
+            self.stats.empty_syncs += 1;
+            self.sync = Sync::RetryAt(now + self.backoff);
+            self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+        }
+        true
+    }
+
+    /// Next thing to post, if any. Call until it returns `None`.
+    pub fn poll_action(&mut self, now: Instant) -> Option<Action> {
+        let layout = self.layout?;
+        match self.sync {
+            Sync::InFlight(_) => return None,
+            Sync::RetryAt(t) if now < t => return None,
+            Sync::RetryAt(_) => self.sync = Sync::Needed,
+            Sync::Needed | Sync::Idle => {}
+        }
+        if self.sync == Sync::Needed {
+            return self.try_sync();
+        }
+        if self.queue.is_empty() || self.in_flight.len() >= self.max_outstanding {
+            return None;
+        }
+        match self.find_free_block(layout.blocks) {
+            Some(j) => {
+                let filled = self.queue.pop_front().expect("queue is not empty");
+                self.remote[j] = status::FULL;
+                self.cursor = (j + 1) % layout.blocks;
+                let wr_id = self.take_wr_id();
+                self.in_flight.push_back(InFlight { wr_id, filled });
+                self.stats.writes += 1;
+                Some(Action::Write {
+                    wr_id,
+                    send_block: filled.send_block,
+                    remote_block: j,
+                    len: filled.len,
+                })
+            }
+            None => {
+                self.sync = Sync::Needed;
+                self.try_sync()
+            }
+        }
+    }
+
+    fn try_sync(&mut self) -> Option<Action> {
+        // Only sync with nothing outstanding: then the READ cannot return a status byte older
+        // than one of our own writes.
+        if !self.in_flight.is_empty() {
+            return None;
+        }
+        let wr_id = self.take_wr_id();
+        self.sync = Sync::InFlight(wr_id);
+        self.stats.syncs += 1;
+        Some(Action::Sync { wr_id })
+    }
+
+    fn find_free_block(&mut self, n: usize) -> Option<usize> {
+        for k in 0..n {
+            let j = (self.cursor + k) % n;
+            match self.remote[j] {
+                status::EMPTY => return Some(j),
+                status::RETAINED => self.stats.retained_skipped += 1,
+                _ => {}
+            }
+        }
+        None
+    }
+
+    fn take_wr_id(&mut self) -> u64 {
+        let id = self.next_wr_id;
+        self.next_wr_id += 1;
+        id
+    }
+
+    /// A send block whose chain completed; give it back to the filling thread.
+    pub fn poll_freed(&mut self) -> Option<usize> {
+        self.freed.pop_front()
+    }
+
+    /// When the machine wants to be woken although no input arrived (sync backoff).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.sync {
+            Sync::RetryAt(t) if self.layout.is_some() => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Whether a connection is up.
+    pub fn is_connected(&self) -> bool {
+        self.layout.is_some()
+    }
+
+    /// Chains posted and not completed.
+    pub fn outstanding(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Whether a sync READ is posted and not completed.
+    pub fn sync_in_flight(&self) -> bool {
+        matches!(self.sync, Sync::InFlight(_))
+    }
+
+    /// Filled send blocks not yet posted.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// True when nothing is queued, posted or waiting to be freed.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.in_flight.is_empty() && self.freed.is_empty()
+    }
+
+    /// The cached remote status bytes.
+    pub fn remote_cache(&self) -> &[u8] {
+        &self.remote
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SenderStats {
+        self.stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connected(n: usize, depth: usize) -> (SenderMachine, Instant) {
+        let mut m = SenderMachine::new(depth);
+        m.handle_connected(RemoteLayout {
+            blocks: n,
+            block_size: 64,
+        });
+        (m, Instant::now())
+    }
+
+    #[test]
+    fn first_action_is_a_sync_and_writes_wait_for_it() {
+        let (mut m, now) = connected(3, 4);
+        m.handle_filled(0, 10);
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        assert_eq!(
+            m.poll_action(now),
+            None,
+            "no write while the sync is in flight"
+        );
+        assert!(m.handle_sync_completed(now, wr_id, &[0, 0, 0]));
+        assert!(matches!(
+            m.poll_action(now),
+            Some(Action::Write {
+                remote_block: 0,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn round_robin_skips_full_and_retained() {
+        let (mut m, now) = connected(4, 8);
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_sync_completed(now, wr_id, &[1, 0, 2, 0]);
+        for i in 0..2 {
+            m.handle_filled(i, 10);
+        }
+        let blocks: Vec<_> = std::iter::from_fn(|| m.poll_action(now))
+            .map(|a| match a {
+                Action::Write { remote_block, .. } => remote_block,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(blocks, vec![1, 3]);
+        assert!(m.stats().retained_skipped >= 1);
+    }
+
+    #[test]
+    fn sync_waits_for_outstanding_writes_then_backs_off_when_nothing_is_free() {
+        let (mut m, now) = connected(1, 4);
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_sync_completed(now, wr_id, &[0]);
+        m.handle_filled(0, 10);
+        m.handle_filled(1, 10);
+        let Some(Action::Write { wr_id: w, .. }) = m.poll_action(now) else {
+            panic!()
+        };
+        assert_eq!(
+            m.poll_action(now),
+            None,
+            "must not sync while a write is outstanding"
+        );
+        m.handle_write_completed(w);
+        assert_eq!(m.poll_freed(), Some(0));
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_sync_completed(now, wr_id, &[1]);
+        assert_eq!(m.poll_action(now), None);
+        let t = m.poll_timeout().expect("backoff timer");
+        assert!(matches!(m.poll_action(t), Some(Action::Sync { .. })));
+    }
+
+    #[test]
+    fn disconnect_requeues_in_order() {
+        let (mut m, now) = connected(4, 4);
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_sync_completed(now, wr_id, &[0; 4]);
+        for i in 0..3 {
+            m.handle_filled(i, 10);
+        }
+        let ids: Vec<_> = std::iter::from_fn(|| m.poll_action(now)).collect();
+        assert_eq!(ids.len(), 3);
+        let Action::Write { wr_id: first, .. } = ids[0] else {
+            panic!()
+        };
+        m.handle_write_completed(first);
+        m.handle_disconnected();
+        assert_eq!(m.poll_action(now), None);
+        m.handle_connected(RemoteLayout {
+            blocks: 4,
+            block_size: 64,
+        });
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_sync_completed(now, wr_id, &[0; 4]);
+        let sent: Vec<_> = std::iter::from_fn(|| m.poll_action(now))
+            .map(|a| match a {
+                Action::Write { send_block, .. } => send_block,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(sent, vec![1, 2]);
+        assert_eq!(m.stats().requeued, 2);
+    }
+}
