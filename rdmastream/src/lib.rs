@@ -6,4 +6,12 @@
 //! `receiver` binaries (and the GStreamer plugin) do that and wire these pieces together.
 #![deny(unsafe_code)]
 
+pub mod error;
 pub mod proto;
+pub mod transport;
+
+pub use error::{Error, Result};
+pub mod engine;
+pub mod sink;
+pub mod source;
+pub mod stats;

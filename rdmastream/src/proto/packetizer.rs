@@ -44,10 +44,13 @@ impl DeviceNumbering {
     /// order. The payload of fragment k is `payload[k*cap .. min(len, (k+1)*cap)]` where
     /// `cap = payload_capacity(block_size)`. Returns `None` if the message needs more than
     /// 65535 blocks (the fragment count is 16 bits) or the block cannot hold any payload.
+    /// `frame_index` overrides the frame index (a source numbers its frames itself, so frames it
+    /// dropped leave a visible gap); `None` uses the next one.
     pub fn plan(
         &mut self,
         device: u8,
         kind: MessageKind,
+        frame_index: Option<u64>,
         len: usize,
         block_size: usize,
         timestamp_ns: u64,
@@ -66,6 +69,9 @@ impl DeviceNumbering {
             MessageKind::Format => flags::FORMAT,
             MessageKind::EndOfStream => flags::END_OF_STREAM,
         };
+        if let Some(index) = frame_index {
+            self.next_frame = index;
+        }
         let headers = (0..count)
             .map(|k| {
                 let start = k * cap;
@@ -109,7 +115,7 @@ mod tests {
     fn splits_and_numbers() {
         let mut n = DeviceNumbering::starting_at(65534, 0);
         let hs = n
-            .plan(3, MessageKind::Frame, 250, 100 + OVERHEAD, 5, 0)
+            .plan(3, MessageKind::Frame, None, 250, 100 + OVERHEAD, 5, 0)
             .unwrap();
         assert_eq!(hs.len(), 3);
         assert_eq!(
@@ -127,7 +133,7 @@ mod tests {
         assert_eq!(fragment_range(2, 250, 100 + OVERHEAD), 200..250);
         assert_eq!(n.next_frame(), 1);
         let eos = n
-            .plan(3, MessageKind::EndOfStream, 0, 100 + OVERHEAD, 0, 0)
+            .plan(3, MessageKind::EndOfStream, None, 0, 100 + OVERHEAD, 0, 0)
             .unwrap();
         assert_eq!(eos.len(), 1);
         assert!(eos[0].is_end_of_stream());
@@ -139,9 +145,12 @@ mod tests {
     #[test]
     fn refuses_what_cannot_be_numbered() {
         let mut n = DeviceNumbering::default();
-        assert!(n.plan(0, MessageKind::Frame, 10, OVERHEAD, 0, 0).is_none());
         assert!(
-            n.plan(0, MessageKind::Frame, 70_000, OVERHEAD + 1, 0, 0)
+            n.plan(0, MessageKind::Frame, None, 10, OVERHEAD, 0, 0)
+                .is_none()
+        );
+        assert!(
+            n.plan(0, MessageKind::Frame, None, 70_000, OVERHEAD + 1, 0, 0)
                 .is_none()
         );
     }

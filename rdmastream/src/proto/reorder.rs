@@ -316,7 +316,15 @@ mod tests {
         for f in 0..frames {
             let data: Vec<u8> = (0..len).map(|i| (i + f) as u8).collect();
             let hs = n
-                .plan(1, MessageKind::Frame, len, block, f as u64, 0)
+                .plan(
+                    1,
+                    MessageKind::Frame,
+                    Some(f as u64),
+                    len,
+                    block,
+                    f as u64,
+                    0,
+                )
                 .unwrap();
             for (k, h) in hs.into_iter().enumerate() {
                 let payload = data[fragment_range(k, len, block)].to_vec();

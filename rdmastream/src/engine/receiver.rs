@@ -1,0 +1,416 @@
+//! The receiver's threads: an accepting thread, and per connected sender one polling thread that
+//! scans the status bytes of that sender's region, validates each full block, copies it out,
+//! frees it (status 0) and feeds the per-device reorder buffers. It never posts a work request.
+//! Complete frames go to a [`FrameSink`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::error::{Result, spawn};
+use crate::proto::{
+    BlockError, BlockHeader, BlockScanner, DeviceStream, Packet, ReorderConfig, StreamEvent, status,
+};
+use crate::stats::{DeviceCounters, Registry, unix_now_ns};
+use crate::transport::{Accepted, Listener, Region};
+
+/// A device of a sender: what the receiver's output and stats are keyed by.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamKey {
+    pub sender: String,
+    pub device: u8,
+}
+
+impl std::fmt::Display for StreamKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/d{:03}", self.sender, self.device)
+    }
+}
+
+/// Where complete frames go.
+pub trait FrameSink: Send + Sync {
+    /// One event of one device, in order. May block (back-pressure: blocks stay full and the
+    /// sender waits or drops at its sources).
+    fn handle(&self, key: &StreamKey, counters: &Arc<DeviceCounters>, event: StreamEvent);
+    /// Waits until everything handed over is done (files written).
+    fn flush(&self) {}
+}
+
+/// Receiver settings.
+#[derive(Debug, Clone)]
+pub struct ReceiverOptions {
+    /// Highest device number accepted; blocks from others are invalid.
+    pub max_device: u8,
+    pub reorder: ReorderConfig,
+    /// Sleep between status scans when idle: starts at `poll_min`, doubles up to `poll_max`.
+    pub poll_min: Duration,
+    pub poll_max: Duration,
+}
+
+impl Default for ReceiverOptions {
+    fn default() -> Self {
+        ReceiverOptions {
+            max_device: 255,
+            reorder: ReorderConfig::default(),
+            poll_min: Duration::from_micros(20),
+            poll_max: Duration::from_micros(500),
+        }
+    }
+}
+
+struct SenderState {
+    session: u64,
+    streams: BTreeMap<u8, DeviceStream>,
+    connections: usize,
+    ended: std::collections::BTreeSet<u8>,
+}
+
+/// Counts of invalid blocks, per kind.
+#[derive(Default)]
+pub struct InvalidCounts {
+    counts: Mutex<BTreeMap<BlockError, u64>>,
+}
+
+impl InvalidCounts {
+    fn record(&self, e: BlockError, peer: &str) {
+        let mut c = self.counts.lock();
+        let n = c.entry(e).or_insert(0);
+        if *n == 0 {
+            tracing::warn!(%peer, "invalid block ({e}); freed and counted, further ones of this kind are not logged");
+        }
+        *n += 1;
+    }
+
+    /// All counts.
+    pub fn all(&self) -> BTreeMap<BlockError, u64> {
+        self.counts.lock().clone()
+    }
+
+    /// Sum over kinds.
+    pub fn total(&self) -> u64 {
+        self.counts.lock().values().sum()
+    }
+}
+
+struct Shared {
+    opts: ReceiverOptions,
+    sink: Arc<dyn FrameSink>,
+    senders: Mutex<HashMap<String, SenderState>>,
+    counters: Registry<StreamKey>,
+    invalid: InvalidCounts,
+    /// Blocks processed (valid or not).
+    blocks: AtomicU64,
+    /// Status scans that found nothing (idle polls).
+    idle_polls: AtomicU64,
+    stop: AtomicBool,
+}
+
+/// A running receiver.
+pub struct ReceiverHandle {
+    shared: Arc<Shared>,
+    accepting: Option<JoinHandle<()>>,
+    pollers: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    local_addr: String,
+}
+
+impl ReceiverHandle {
+    /// Starts accepting senders on `listener`.
+    pub fn start(
+        opts: ReceiverOptions,
+        listener: Box<dyn Listener>,
+        sink: Arc<dyn FrameSink>,
+    ) -> Result<ReceiverHandle> {
+        let shared = Arc::new(Shared {
+            opts,
+            sink,
+            senders: Mutex::new(HashMap::new()),
+            counters: Registry::default(),
+            invalid: InvalidCounts::default(),
+            blocks: AtomicU64::new(0),
+            idle_polls: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+        });
+        let pollers = Arc::new(Mutex::new(Vec::new()));
+        let local_addr = listener.local_addr();
+        let accepting = {
+            let (shared, pollers) = (shared.clone(), pollers.clone());
+            spawn("accept", move || accept_loop(listener, shared, pollers))?
+        };
+        Ok(ReceiverHandle {
+            shared,
+            accepting: Some(accepting),
+            pollers,
+            local_addr,
+        })
+    }
+
+    /// Where the listener listens.
+    pub fn local_addr(&self) -> &str {
+        &self.local_addr
+    }
+
+    /// Per sender/device counters.
+    pub fn counters(&self) -> &Registry<StreamKey> {
+        &self.shared.counters
+    }
+
+    /// Invalid blocks per kind.
+    pub fn invalid(&self) -> &InvalidCounts {
+        &self.shared.invalid
+    }
+
+    /// Blocks processed so far.
+    pub fn blocks(&self) -> u64 {
+        self.shared.blocks.load(Ordering::Relaxed)
+    }
+
+    /// Idle status scans so far.
+    pub fn idle_polls(&self) -> u64 {
+        self.shared.idle_polls.load(Ordering::Relaxed)
+    }
+
+    /// Reorder counters summed per sender/device.
+    pub fn reorder_stats(&self) -> Vec<(StreamKey, crate::proto::ReorderStats)> {
+        let senders = self.shared.senders.lock();
+        let mut out: Vec<_> = senders
+            .iter()
+            .flat_map(|(name, s)| {
+                s.streams.iter().map(move |(d, st)| {
+                    (
+                        StreamKey {
+                            sender: name.clone(),
+                            device: *d,
+                        },
+                        st.stats(),
+                    )
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// True when at least one sender connected, and every sender seen has closed its
+    /// connections after ending every device it sent.
+    pub fn all_senders_ended(&self) -> bool {
+        let senders = self.shared.senders.lock();
+        !senders.is_empty()
+            && senders
+                .values()
+                .all(|s| s.connections == 0 && s.streams.keys().all(|d| s.ended.contains(d)))
+    }
+
+    /// Stops accepting and polling, and flushes the sink.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(a) = self.accepting.take() {
+            let _ = a.join();
+        }
+        for p in self.pollers.lock().drain(..) {
+            let _ = p.join();
+        }
+        self.shared.sink.flush();
+    }
+}
+
+impl Drop for ReceiverHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(
+    mut listener: Box<dyn Listener>,
+    shared: Arc<Shared>,
+    pollers: Arc<Mutex<Vec<JoinHandle<()>>>>,
+) {
+    while !shared.stop.load(Ordering::Acquire) {
+        match listener.accept(Duration::from_millis(50)) {
+            Ok(Some(accepted)) => {
+                let name = accepted.hello.sender.clone();
+                tracing::info!(sender = %name, peer = %accepted.peer, transport = listener.transport(), "sender connected");
+                {
+                    let mut senders = shared.senders.lock();
+                    let state = senders.entry(name.clone()).or_insert_with(|| SenderState {
+                        session: accepted.hello.session,
+                        streams: BTreeMap::new(),
+                        connections: 0,
+                        ended: Default::default(),
+                    });
+                    if state.session != accepted.hello.session {
+                        // A new sender process: its numbering starts afresh.
+                        state.session = accepted.hello.session;
+                        state.streams.clear();
+                        state.ended.clear();
+                    }
+                    state.connections += 1;
+                }
+                let shared = shared.clone();
+                match spawn(format!("poll-{name}"), move || {
+                    poll_region(accepted, shared)
+                }) {
+                    Ok(h) => {
+                        let mut p = pollers.lock();
+                        p.retain(|h| !h.is_finished());
+                        p.push(h);
+                    }
+                    Err(e) => tracing::error!("{e}"),
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!("accepting: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// The receiving thread of one connection: poll status bytes, validate, copy out, free, route.
+fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
+    let Accepted {
+        hello,
+        peer,
+        region,
+    } = accepted;
+    let name = hello.sender.clone();
+    let n = region.layout().blocks;
+    let mut scanner = BlockScanner::default();
+    let mut idle = shared.opts.poll_min;
+    let mut next_timeout_check = Instant::now();
+    loop {
+        // Read `closed` before scanning: a block written before the close is then seen.
+        let closed = region.is_closed();
+        if let Some(j) = scanner.next_full(n, |j| region.status(j)) {
+            let packet = take_block(region.as_ref(), j, shared.opts.max_device);
+            shared.blocks.fetch_add(1, Ordering::Relaxed);
+            match packet {
+                Ok(p) => route(&shared, &name, p),
+                Err(e) => shared.invalid.record(e, &peer),
+            }
+            idle = shared.opts.poll_min;
+            continue;
+        }
+        if closed || shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        shared.idle_polls.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        if now >= next_timeout_check {
+            check_timeouts(&shared, &name, now);
+            next_timeout_check = now + Duration::from_millis(10);
+        }
+        std::thread::sleep(idle);
+        idle = (idle * 2).min(shared.opts.poll_max);
+    }
+    tracing::info!(sender = %name, %peer, "sender disconnected; region freed");
+    if let Some(s) = shared.senders.lock().get_mut(&name) {
+        s.connections = s.connections.saturating_sub(1);
+    }
+}
+
+/// Copies block `j` out after validating it, then frees it (status 0).
+fn take_block(
+    region: &dyn Region,
+    j: usize,
+    max_device: u8,
+) -> std::result::Result<Packet, BlockError> {
+    let mut out = Err(BlockError::TooShort);
+    region.read_block(j, &mut |bytes| {
+        out = BlockHeader::decode_block(bytes, max_device).map(|(header, payload)| Packet {
+            header,
+            payload: payload.to_vec(),
+        });
+    });
+    region.set_status(j, status::EMPTY);
+    out
+}
+
+fn deliver(shared: &Shared, key: &StreamKey, events: Vec<StreamEvent>) {
+    let counters = shared.counters.device(key);
+    for ev in events {
+        match &ev {
+            StreamEvent::Frame(f) => {
+                let latency = Duration::from_nanos(unix_now_ns().saturating_sub(f.timestamp_ns));
+                counters.frame(f.data.len(), (f.timestamp_ns != 0).then_some(latency));
+            }
+            StreamEvent::EndOfStream { .. } => counters.ended.store(1, Ordering::Relaxed),
+            StreamEvent::Format { .. } => {}
+        }
+        shared.sink.handle(key, &counters, ev);
+    }
+}
+
+fn route(shared: &Shared, name: &str, p: Packet) {
+    let device = p.header.device;
+    let key = StreamKey {
+        sender: name.to_string(),
+        device,
+    };
+    let (events, gaps) = {
+        let mut senders = shared.senders.lock();
+        let Some(state) = senders.get_mut(name) else {
+            return;
+        };
+        let stream = state
+            .streams
+            .entry(device)
+            .or_insert_with(|| DeviceStream::new(shared.opts.reorder));
+        stream.handle_packet(Instant::now(), p);
+        let events: Vec<_> = std::iter::from_fn(|| stream.poll_event()).collect();
+        let gaps = stream.stats().gap_packets;
+        if events
+            .iter()
+            .any(|e| matches!(e, StreamEvent::EndOfStream { .. }))
+        {
+            state.ended.insert(device);
+        } else if !events.is_empty() {
+            state.ended.remove(&device);
+        }
+        (events, gaps)
+    };
+    shared
+        .counters
+        .device(&key)
+        .gaps
+        .store(gaps, Ordering::Relaxed);
+    // The sink may block; the sender lock is not held here.
+    deliver(shared, &key, events);
+}
+
+fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
+    let mut pending = Vec::new();
+    {
+        let mut senders = shared.senders.lock();
+        let Some(state) = senders.get_mut(name) else {
+            return;
+        };
+        for (&device, stream) in state.streams.iter_mut() {
+            if stream.poll_timeout().is_some_and(|t| t <= now) {
+                stream.handle_timeout(now);
+                let events: Vec<_> = std::iter::from_fn(|| stream.poll_event()).collect();
+                pending.push((device, events, stream.stats().gap_packets));
+            }
+        }
+    }
+    for (device, events, gaps) in pending {
+        let key = StreamKey {
+            sender: name.to_string(),
+            device,
+        };
+        shared
+            .counters
+            .device(&key)
+            .gaps
+            .store(gaps, Ordering::Relaxed);
+        deliver(shared, &key, events);
+    }
+}

@@ -1,0 +1,640 @@
+//! The sender's threads: one filling thread (frames → send blocks, numbered per device) and one
+//! sending thread (drives [`SenderMachine`] over one [`Connection`] shared by all devices,
+//! reconnecting with backoff). Sources push into per-device queues ([`DeviceInput`]).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Select, Sender, TrySendError};
+
+use crate::error::{Error, Result, spawn};
+use crate::proto::handshake::{DataPath, Hello, PROTOCOL_VERSION, QpInfo};
+use crate::proto::{
+    Action, DeviceNumbering, MessageKind, SenderMachine, SenderStats, fragment_range, status,
+};
+use crate::source::SourceFrame;
+use crate::stats::{DeviceCounters, Registry, unix_now_ns};
+use crate::transport::{
+    Connection, Connector, RemoteAddr, SendBlocks, Target, WriteSource, WriteWr,
+};
+
+/// What happens when a device's queue is full because the link or the receiver is slower than
+/// the source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DropPolicy {
+    /// Live: drop the oldest queued frame, count it, keep the newest (default).
+    #[default]
+    DropOldest,
+    /// Lossless: the source waits.
+    Block,
+}
+
+/// Sender settings.
+#[derive(Debug, Clone)]
+pub struct SenderOptions {
+    /// Scopes this sender's output on the receiver.
+    pub name: String,
+    /// Must match the receiver's token when it has one.
+    pub token: String,
+    /// Number of local send blocks (S).
+    pub send_blocks: usize,
+    /// Bytes per send block; must not exceed the receiver's block size.
+    pub block_size: usize,
+    /// Write chains posted at once before waiting for completions.
+    pub max_outstanding: usize,
+    /// First and longest wait between reconnect attempts.
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+}
+
+impl Default for SenderOptions {
+    fn default() -> Self {
+        SenderOptions {
+            name: "sender".into(),
+            token: String::new(),
+            send_blocks: 8,
+            block_size: 1 << 20,
+            max_outstanding: 4,
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(5),
+        }
+    }
+}
+
+enum Msg {
+    Frame(SourceFrame),
+    End,
+}
+
+/// A device's input queue. Clone it into the source thread.
+#[derive(Clone)]
+pub struct DeviceInput {
+    device: u8,
+    policy: DropPolicy,
+    tx: Sender<Msg>,
+    rx: Receiver<Msg>,
+    counters: Arc<DeviceCounters>,
+}
+
+impl DeviceInput {
+    /// Device number.
+    pub fn device(&self) -> u8 {
+        self.device
+    }
+
+    /// Queues a frame under the device's policy. Returns false once the sender has shut down.
+    pub fn push(&self, frame: SourceFrame) -> bool {
+        match self.policy {
+            DropPolicy::Block => self.tx.send(Msg::Frame(frame)).is_ok(),
+            DropPolicy::DropOldest => {
+                let mut msg = Msg::Frame(frame);
+                loop {
+                    match self.tx.try_send(msg) {
+                        Ok(()) => return true,
+                        Err(TrySendError::Disconnected(_)) => return false,
+                        Err(TrySendError::Full(m)) => {
+                            msg = m;
+                            // Only frames are ever queued before End, so this drops a frame.
+                            if let Ok(Msg::Frame(_)) = self.rx.try_recv() {
+                                self.counters.drops.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends the device's stream: the receiver gets end-of-stream after the queued frames.
+    pub fn end(&self) {
+        let _ = self.tx.send(Msg::End);
+    }
+}
+
+/// One filled send block, on its way from the filling to the sending thread.
+#[derive(Debug, Clone, Copy)]
+struct Filled {
+    index: usize,
+    len: usize,
+    device: u8,
+    /// Set on the last block of a frame: payload bytes and capture time, for stats.
+    frame_end: Option<(usize, u64)>,
+}
+
+enum ToSending {
+    Block(Filled),
+    /// Every device ended: finish what is queued, then close.
+    Done,
+}
+
+enum Control {
+    Device(u8, Receiver<Msg>),
+}
+
+/// What a finished sender reports.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SenderReport {
+    pub machine: SenderStats,
+    pub connections: u64,
+    /// Send blocks still unsent when the sender had to give up at shutdown.
+    pub unsent: usize,
+}
+
+/// A running sender.
+pub struct SenderHandle {
+    control: Option<Sender<Control>>,
+    counters: Arc<Registry<u8>>,
+    abort: Arc<AtomicBool>,
+    filling: Option<JoinHandle<()>>,
+    sending: Option<JoinHandle<Result<SenderReport>>>,
+    queue_depth: usize,
+    live: Arc<parking_lot::Mutex<SenderStats>>,
+}
+
+impl SenderHandle {
+    /// Starts the filling and sending threads. Devices are added with [`Self::add_device`].
+    pub fn start(
+        opts: SenderOptions,
+        connector: Box<dyn Connector>,
+        queue_depth: usize,
+    ) -> Result<SenderHandle> {
+        if opts.send_blocks == 0 {
+            return Err(Error::invalid("send_blocks", "must be at least 1"));
+        }
+        if crate::proto::payload_capacity(opts.block_size) == 0 {
+            return Err(Error::invalid(
+                "block_size",
+                format!("must be larger than {} bytes", crate::proto::OVERHEAD),
+            ));
+        }
+        let blocks = SendBlocks::new(opts.send_blocks, opts.block_size);
+        let (free_tx, free_rx) = crossbeam_channel::unbounded();
+        for i in 0..opts.send_blocks {
+            free_tx.send(i).expect("receiver alive");
+        }
+        let (filled_tx, filled_rx) = crossbeam_channel::unbounded();
+        let (control_tx, control_rx) = crossbeam_channel::unbounded();
+        let abort = Arc::new(AtomicBool::new(false));
+        let live = Arc::new(parking_lot::Mutex::new(SenderStats::default()));
+        let filling = {
+            let (blocks, abort) = (blocks.clone(), abort.clone());
+            spawn("filling", move || {
+                filling_thread(blocks, control_rx, free_rx, filled_tx, abort)
+            })?
+        };
+        let counters = Arc::new(Registry::default());
+        let sending = {
+            let state = Sending {
+                machine: SenderMachine::new(opts.max_outstanding),
+                meta: vec![None; opts.send_blocks],
+                free: free_tx,
+                counters: counters.clone(),
+            };
+            let t = SendingThread {
+                opts,
+                connector,
+                blocks,
+                filled: filled_rx,
+                abort: abort.clone(),
+                live: live.clone(),
+            };
+            spawn("sending", move || sending_thread(t, state))?
+        };
+        Ok(SenderHandle {
+            control: Some(control_tx),
+            counters,
+            abort,
+            filling: Some(filling),
+            sending: Some(sending),
+            queue_depth: queue_depth.max(1),
+            live,
+        })
+    }
+
+    /// Registers device `device` and returns its input queue.
+    pub fn add_device(&self, device: u8, policy: DropPolicy) -> DeviceInput {
+        let (tx, rx) = crossbeam_channel::bounded(self.queue_depth);
+        if let Some(c) = &self.control {
+            let _ = c.send(Control::Device(device, rx.clone()));
+        }
+        DeviceInput {
+            device,
+            policy,
+            tx,
+            rx,
+            counters: self.counters.device(&device),
+        }
+    }
+
+    /// Per-device counters (frames fully written, bytes, drops, latency capture→written).
+    pub fn counters(&self) -> Arc<Registry<u8>> {
+        self.counters.clone()
+    }
+
+    /// The sending state machine's counters.
+    pub fn machine_stats(&self) -> SenderStats {
+        *self.live.lock()
+    }
+
+    /// Waits until every device has ended and everything queued is written, or until
+    /// `timeout`, then stops. Devices must have been ended ([`DeviceInput::end`]) or dropped.
+    pub fn finish(mut self, timeout: Duration) -> Result<SenderReport> {
+        self.control.take();
+        let deadline = Instant::now() + timeout;
+        let sending = self.sending.take().expect("joined once");
+        while !sending.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.abort.store(true, Ordering::Release);
+        let report = sending
+            .join()
+            .unwrap_or_else(|_| Err(Error::invalid("sending thread", "panicked")));
+        if let Some(f) = self.filling.take() {
+            let _ = f.join();
+        }
+        report
+    }
+
+    /// True once the sending thread stopped (finished or failed).
+    pub fn is_finished(&self) -> bool {
+        self.sending.as_ref().is_none_or(|s| s.is_finished())
+    }
+}
+
+impl Drop for SenderHandle {
+    fn drop(&mut self) {
+        self.abort.store(true, Ordering::Release);
+    }
+}
+
+struct DeviceState {
+    device: u8,
+    rx: Receiver<Msg>,
+    numbering: DeviceNumbering,
+    format: Option<Arc<str>>,
+}
+
+fn filling_thread(
+    blocks: Arc<SendBlocks>,
+    control: Receiver<Control>,
+    free: Receiver<usize>,
+    filled: Sender<ToSending>,
+    abort: Arc<AtomicBool>,
+) {
+    let mut devices: Vec<DeviceState> = Vec::new();
+    let mut control_open = true;
+    let block_size = blocks.block_size();
+    // Takes a free send block; gives up only on abort.
+    let take_free = || loop {
+        match free.recv_timeout(Duration::from_millis(50)) {
+            Ok(i) => return Some(i),
+            Err(RecvTimeoutError::Timeout) if !abort.load(Ordering::Acquire) => continue,
+            Err(_) => return None,
+        }
+    };
+    let fill = |dev: &mut DeviceState,
+                kind: MessageKind,
+                index: Option<u64>,
+                payload: &[u8],
+                ts: u64,
+                dur: u32|
+     -> bool {
+        let Some(headers) =
+            dev.numbering
+                .plan(dev.device, kind, index, payload.len(), block_size, ts, dur)
+        else {
+            tracing::error!(
+                device = dev.device,
+                len = payload.len(),
+                "message too large for 65535 blocks; dropped"
+            );
+            return true;
+        };
+        let count = headers.len();
+        for (k, h) in headers.into_iter().enumerate() {
+            let Some(i) = take_free() else { return false };
+            let range = fragment_range(k, payload.len(), block_size);
+            let len = blocks.fill(i, |b| {
+                let used = h.write_header_and_payload(&payload[range], b);
+                h.seal(b);
+                used
+            });
+            let frame_end =
+                (kind == MessageKind::Frame && k + 1 == count).then_some((payload.len(), ts));
+            if filled
+                .send(ToSending::Block(Filled {
+                    index: i,
+                    len,
+                    device: dev.device,
+                    frame_end,
+                }))
+                .is_err()
+            {
+                return false;
+            }
+        }
+        true
+    };
+    loop {
+        if abort.load(Ordering::Acquire) {
+            return;
+        }
+        if !control_open && devices.is_empty() {
+            let _ = filled.send(ToSending::Done);
+            return;
+        }
+        let mut sel = Select::new();
+        let control_op = control_open.then(|| sel.recv(&control));
+        let receivers: Vec<Receiver<Msg>> = devices.iter().map(|d| d.rx.clone()).collect();
+        for rx in &receivers {
+            sel.recv(rx);
+        }
+        let Ok(op) = sel.select_timeout(Duration::from_millis(50)) else {
+            continue;
+        };
+        let index = op.index();
+        if Some(index) == control_op {
+            match op.recv(&control) {
+                Ok(Control::Device(device, rx)) => devices.push(DeviceState {
+                    device,
+                    rx,
+                    numbering: DeviceNumbering::default(),
+                    format: None,
+                }),
+                Err(_) => control_open = false,
+            }
+            continue;
+        }
+        let pos = index - control_op.map_or(0, |_| 1);
+        let msg = op.recv(&receivers[pos]).unwrap_or(Msg::End);
+        let dev = &mut devices[pos];
+        let ok = match msg {
+            Msg::Frame(f) => {
+                let mut ok = true;
+                if dev.format.as_deref() != Some(&*f.format) {
+                    ok = fill(
+                        dev,
+                        MessageKind::Format,
+                        Some(f.index),
+                        f.format.as_bytes(),
+                        f.timestamp_ns,
+                        0,
+                    );
+                    dev.format = Some(f.format.clone());
+                }
+                ok && fill(
+                    dev,
+                    MessageKind::Frame,
+                    Some(f.index),
+                    &f.data,
+                    f.timestamp_ns,
+                    f.duration_ns,
+                )
+            }
+            Msg::End => {
+                let next = dev.numbering.next_frame();
+                let ok = fill(
+                    dev,
+                    MessageKind::EndOfStream,
+                    Some(next),
+                    &[],
+                    unix_now_ns(),
+                    0,
+                );
+                devices.remove(pos);
+                ok
+            }
+        };
+        if !ok {
+            return;
+        }
+    }
+}
+
+struct Sending {
+    machine: SenderMachine,
+    meta: Vec<Option<Filled>>,
+    free: Sender<usize>,
+    counters: Arc<Registry<u8>>,
+}
+
+impl Sending {
+    fn intake(&mut self, ev: ToSending, done: &mut bool) {
+        match ev {
+            ToSending::Block(f) => {
+                self.meta[f.index] = Some(f);
+                self.machine.handle_filled(f.index, f.len);
+            }
+            ToSending::Done => *done = true,
+        }
+    }
+
+    fn release_freed(&mut self) {
+        while let Some(i) = self.machine.poll_freed() {
+            if let Some(Filled {
+                device,
+                frame_end: Some((bytes, ts)),
+                ..
+            }) = self.meta[i].take()
+            {
+                let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
+                self.counters.device(&device).frame(bytes, Some(latency));
+            }
+            let _ = self.free.send(i);
+        }
+    }
+}
+
+/// Posts one action on the connection.
+fn execute(conn: &mut dyn Connection, action: Action, block_size: usize) -> Result<()> {
+    match action {
+        Action::Write {
+            wr_id,
+            send_block,
+            remote_block,
+            len,
+        } => {
+            let chain = [
+                WriteWr {
+                    source: WriteSource::SendBlock {
+                        index: send_block,
+                        len,
+                    },
+                    remote: RemoteAddr {
+                        target: Target::Blocks,
+                        offset: (remote_block * block_size) as u64,
+                    },
+                    signaled: false,
+                },
+                WriteWr {
+                    source: WriteSource::Inline(&[status::FULL]),
+                    remote: RemoteAddr {
+                        target: Target::Statuses,
+                        offset: remote_block as u64,
+                    },
+                    signaled: true,
+                },
+            ];
+            conn.post_write_chain(wr_id, &chain)
+        }
+        Action::Sync { wr_id } => {
+            let n = conn.layout().blocks;
+            conn.post_read(
+                wr_id,
+                RemoteAddr {
+                    target: Target::Statuses,
+                    offset: 0,
+                },
+                n,
+            )
+        }
+    }
+}
+
+struct SendingThread {
+    opts: SenderOptions,
+    connector: Box<dyn Connector>,
+    blocks: Arc<SendBlocks>,
+    filled: Receiver<ToSending>,
+    abort: Arc<AtomicBool>,
+    live: Arc<parking_lot::Mutex<SenderStats>>,
+}
+
+fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        sender: t.opts.name.clone(),
+        token: t.opts.token.clone(),
+        session: std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), unix_now_ns()),
+        data_path: DataPath::Tcp,
+        qp: QpInfo::default(),
+    };
+    let block_size = t.blocks.block_size();
+    let mut report = SenderReport::default();
+    let mut conn: Option<Box<dyn Connection>> = None;
+    let mut backoff = t.opts.reconnect_min;
+    let mut next_attempt = Instant::now();
+    let mut last_error = String::new();
+    let mut done = false;
+    let mut completions = Vec::new();
+    loop {
+        *t.live.lock() = s.machine.stats();
+        if t.abort.load(Ordering::Acquire) {
+            report.unsent = s.machine.queued() + s.machine.outstanding();
+            break;
+        }
+        while let Ok(ev) = t.filled.try_recv() {
+            s.intake(ev, &mut done);
+        }
+        let now = Instant::now();
+        let Some(c) = conn.as_mut() else {
+            if done && s.machine.is_idle() {
+                break;
+            }
+            if now >= next_attempt {
+                match t.connector.connect(&hello, &t.blocks) {
+                    Ok(c) => {
+                        let layout = c.layout();
+                        if layout.block_size < block_size {
+                            return Err(Error::invalid(
+                                "block_size",
+                                format!(
+                                    "receiver {} offers {}-byte blocks, smaller than this sender's {block_size}",
+                                    c.peer(),
+                                    layout.block_size
+                                ),
+                            ));
+                        }
+                        tracing::info!(
+                            peer = c.peer(),
+                            transport = t.connector.transport(),
+                            "connected: {} remote blocks of {} bytes",
+                            layout.blocks,
+                            layout.block_size
+                        );
+                        s.machine.handle_connected(layout);
+                        report.connections += 1;
+                        backoff = t.opts.reconnect_min;
+                        last_error.clear();
+                        conn = Some(c);
+                    }
+                    Err(e @ Error::Refused { .. }) => return Err(e),
+                    Err(e) => {
+                        let text = e.to_string();
+                        if text != last_error {
+                            tracing::warn!(
+                                "{text}; retrying every {:?} at most",
+                                t.opts.reconnect_max
+                            );
+                            last_error = text;
+                        }
+                        next_attempt = now + backoff;
+                        backoff = (backoff * 2).min(t.opts.reconnect_max);
+                    }
+                }
+            }
+            if conn.is_none() {
+                let wait = next_attempt
+                    .saturating_duration_since(Instant::now())
+                    .min(Duration::from_millis(50));
+                if let Ok(ev) = t.filled.recv_timeout(wait) {
+                    s.intake(ev, &mut done);
+                }
+            }
+            continue;
+        };
+        let mut result = Ok(());
+        while let Some(action) = s.machine.poll_action(now) {
+            result = execute(c.as_mut(), action, block_size);
+            if result.is_err() {
+                break;
+            }
+        }
+        if result.is_ok() && done && s.machine.is_idle() {
+            tracing::info!(
+                peer = c.peer(),
+                "all devices ended and every block is written; closing"
+            );
+            break;
+        }
+        if result.is_ok() {
+            if s.machine.outstanding() > 0 || s.machine.sync_in_flight() {
+                completions.clear();
+                result = c.poll_completions(&mut completions, Duration::from_millis(1));
+                let now = Instant::now();
+                for comp in &completions {
+                    if !s.machine.handle_write_completed(comp.wr_id) {
+                        let statuses = c.read_buffer();
+                        s.machine.handle_sync_completed(now, comp.wr_id, &statuses);
+                    }
+                }
+                s.release_freed();
+            } else {
+                // Nothing in flight: wait for the filling thread or the sync backoff timer.
+                let wait = s
+                    .machine
+                    .poll_timeout()
+                    .map_or(Duration::from_millis(50), |t| {
+                        t.saturating_duration_since(now)
+                    })
+                    .min(Duration::from_millis(50));
+                match t.filled.recv_timeout(wait) {
+                    Ok(ev) => s.intake(ev, &mut done),
+                    Err(RecvTimeoutError::Disconnected) if !done => done = true,
+                    Err(_) => {}
+                }
+            }
+        }
+        if let Err(e) = result {
+            tracing::warn!("{e}; reconnecting");
+            conn = None;
+            s.machine.handle_disconnected();
+            next_attempt = Instant::now() + backoff;
+        }
+    }
+    report.machine = s.machine.stats();
+    *t.live.lock() = report.machine;
+    Ok(report)
+}

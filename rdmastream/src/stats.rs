@@ -1,0 +1,238 @@
+//! Counters and latency histograms shared between the worker threads and the status line.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use parking_lot::Mutex;
+
+/// Nanoseconds since the UNIX epoch now (capture timestamps use this clock, so latency across
+/// hosts is only as good as their clock sync).
+pub fn unix_now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// Log-bucketed latency histogram: 8 buckets per power of two (≤ 9 % relative error), from 1 µs
+/// to about 70 s. Fixed size, so memory stays bounded on long runs.
+#[derive(Clone)]
+pub struct Histogram {
+    buckets: Vec<u64>,
+    count: u64,
+}
+
+const SUB: u32 = 8;
+const BUCKETS: usize = 27 * SUB as usize;
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            buckets: vec![0; BUCKETS],
+            count: 0,
+        }
+    }
+}
+
+impl Histogram {
+    fn index(us: u64) -> usize {
+        let us = us.max(1);
+        let log = 63 - us.leading_zeros();
+        let frac = ((us << SUB.trailing_zeros()) >> log) & (SUB as u64 - 1);
+        ((log * SUB) as usize + frac as usize).min(BUCKETS - 1)
+    }
+
+    /// Lower bound of bucket `index`, in microseconds.
+    fn value(index: usize) -> u64 {
+        let log = index as u32 / SUB;
+        let frac = index as u64 % SUB as u64;
+        ((SUB as u64 + frac) << log) >> SUB.trailing_zeros()
+    }
+
+    /// Records one latency.
+    pub fn record(&mut self, d: Duration) {
+        self.buckets[Self::index(d.as_micros() as u64)] += 1;
+        self.count += 1;
+    }
+
+    /// Number of samples.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The `q` quantile (0..=1), or `None` without samples.
+    pub fn quantile(&self, q: f64) -> Option<Duration> {
+        if self.count == 0 {
+            return None;
+        }
+        let rank = ((q * self.count as f64).ceil() as u64).clamp(1, self.count);
+        let mut seen = 0;
+        for (i, &c) in self.buckets.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Some(Duration::from_micros(Self::value(i)));
+            }
+        }
+        None
+    }
+
+    /// Adds another histogram's samples.
+    pub fn merge(&mut self, other: &Histogram) {
+        for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
+            *a += b;
+        }
+        self.count += other.count;
+    }
+}
+
+/// Counters of one device (on the sender or the receiver).
+#[derive(Default)]
+pub struct DeviceCounters {
+    /// Frames handed on (sender: fully written; receiver: delivered in order).
+    pub frames: AtomicU64,
+    /// Payload bytes of those frames.
+    pub bytes: AtomicU64,
+    /// Frames dropped (sender: drop-oldest policy).
+    pub drops: AtomicU64,
+    /// Packets given up on (receiver: gaps in packet numbers).
+    pub gaps: AtomicU64,
+    /// Frames checked against the synthetic reference and found equal / different.
+    pub verified: AtomicU64,
+    pub mismatched: AtomicU64,
+    /// Set once the device's end of stream passed.
+    pub ended: AtomicU64,
+    latency: Mutex<Histogram>,
+}
+
+impl DeviceCounters {
+    /// Records a frame of `bytes` payload and its latency.
+    pub fn frame(&self, bytes: usize, latency: Option<Duration>) {
+        self.frames.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        if let Some(l) = latency {
+            self.latency.lock().record(l);
+        }
+    }
+
+    /// Takes the latency samples gathered since the last call.
+    pub fn take_latency(&self) -> Histogram {
+        std::mem::take(&mut *self.latency.lock())
+    }
+}
+
+/// Reads a counter.
+pub fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+/// Counters per stream key (device number, or sender name + device number).
+pub struct Registry<K: Ord + Clone> {
+    devices: Mutex<BTreeMap<K, std::sync::Arc<DeviceCounters>>>,
+}
+
+impl<K: Ord + Clone> Default for Registry<K> {
+    fn default() -> Self {
+        Registry {
+            devices: Mutex::new(BTreeMap::new()),
+        }
+    }
+}
+
+impl<K: Ord + Clone> Registry<K> {
+    /// The counters of `key`, created on first use.
+    pub fn device(&self, key: &K) -> std::sync::Arc<DeviceCounters> {
+        self.devices.lock().entry(key.clone()).or_default().clone()
+    }
+
+    /// All keys and counters, in key order.
+    pub fn all(&self) -> Vec<(K, std::sync::Arc<DeviceCounters>)> {
+        self.devices
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+}
+
+/// Formats one status line from the change of counters since the previous call.
+pub struct StatusLine<K: Ord + Clone> {
+    last: BTreeMap<K, (u64, u64, u64, u64)>,
+    total_latency: Histogram,
+}
+
+impl<K: Ord + Clone + std::fmt::Display> Default for StatusLine<K> {
+    fn default() -> Self {
+        StatusLine {
+            last: BTreeMap::new(),
+            total_latency: Histogram::default(),
+        }
+    }
+}
+
+fn ms(d: Option<Duration>) -> String {
+    d.map(|d| format!("{:.1}", d.as_secs_f64() * 1e3))
+        .unwrap_or_else(|| "-".into())
+}
+
+impl<K: Ord + Clone + std::fmt::Display> StatusLine<K> {
+    /// One line: totals, then `key fps MB/s drops gaps p50/p99` per device, over `elapsed`.
+    pub fn render(&mut self, registry: &Registry<K>, elapsed: Duration) -> String {
+        let secs = elapsed.as_secs_f64().max(1e-9);
+        let mut parts = Vec::new();
+        let (mut tf, mut tb, mut td, mut tg) = (0u64, 0u64, 0u64, 0u64);
+        let mut all = Histogram::default();
+        for (key, c) in registry.all() {
+            let now = (get(&c.frames), get(&c.bytes), get(&c.drops), get(&c.gaps));
+            let prev = self.last.insert(key.clone(), now).unwrap_or_default();
+            let (f, b) = (now.0 - prev.0, now.1 - prev.1);
+            let h = c.take_latency();
+            all.merge(&h);
+            tf += f;
+            tb += b;
+            td += now.2;
+            tg += now.3;
+            parts.push(format!(
+                "{key}: {:.1}fps {:.1}MB/s drop {} gap {} p50/p99 {}/{}ms",
+                f as f64 / secs,
+                b as f64 / secs / 1e6,
+                now.2,
+                now.3,
+                ms(h.quantile(0.5)),
+                ms(h.quantile(0.99))
+            ));
+        }
+        self.total_latency.merge(&all);
+        format!(
+            "total {:.1}fps {:.1}MB/s drops {td} gaps {tg} p50/p99 {}/{}ms | {}",
+            tf as f64 / secs,
+            tb as f64 / secs / 1e6,
+            ms(all.quantile(0.5)),
+            ms(all.quantile(0.99)),
+            parts.join(" | ")
+        )
+    }
+
+    /// Latency over the whole run so far.
+    pub fn total_latency(&self) -> &Histogram {
+        &self.total_latency
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_are_within_bucket_error() {
+        let mut h = Histogram::default();
+        for us in 1..=10_000u64 {
+            h.record(Duration::from_micros(us));
+        }
+        let p50 = h.quantile(0.5).unwrap().as_micros() as f64;
+        let p99 = h.quantile(0.99).unwrap().as_micros() as f64;
+        assert!((p50 - 5000.0).abs() / 5000.0 < 0.1, "p50 {p50}");
+        assert!((p99 - 9900.0).abs() / 9900.0 < 0.1, "p99 {p99}");
+        assert_eq!(Histogram::default().quantile(0.5), None);
+    }
+}

@@ -1,0 +1,194 @@
+//! In-process transport: a sender and a receiver in one process, joined by a [`MemFabric`]. Posting
+//! a WRITE copies straight into the receiver's region, as a NIC would place it; completions are
+//! immediate. Used by tests and to measure the engine without a network.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+
+use super::{
+    Accepted, Completion, Connection, Connector, Listener, Region, RegionSettings, RemoteAddr,
+    SendBlocks, SoftRegion, WriteSource, WriteWr, check_hello,
+};
+use crate::error::{Error, Result};
+use crate::proto::RemoteLayout;
+use crate::proto::handshake::Hello;
+
+/// Named in-process endpoints that senders can connect to.
+#[derive(Clone, Default)]
+pub struct MemFabric {
+    listeners: Arc<Mutex<HashMap<String, (RegionSettings, Sender<Accepted>)>>>,
+}
+
+impl MemFabric {
+    /// A new, empty fabric.
+    pub fn new() -> MemFabric {
+        MemFabric::default()
+    }
+
+    /// A listener reachable as `name`, offering `settings` to each sender.
+    pub fn listen(&self, name: &str, settings: RegionSettings) -> MemListener {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        self.listeners
+            .lock()
+            .insert(name.to_string(), (settings, tx));
+        MemListener {
+            name: name.to_string(),
+            rx,
+        }
+    }
+
+    /// A connector to the listener named `name`.
+    pub fn connector(&self, name: &str) -> MemConnector {
+        MemConnector {
+            fabric: self.clone(),
+            name: name.to_string(),
+        }
+    }
+}
+
+/// Receiver side of the in-process transport.
+pub struct MemListener {
+    name: String,
+    rx: Receiver<Accepted>,
+}
+
+impl Listener for MemListener {
+    fn transport(&self) -> &'static str {
+        "mem"
+    }
+    fn local_addr(&self) -> String {
+        format!("mem:{}", self.name)
+    }
+    fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
+        Ok(self.rx.recv_timeout(timeout).ok())
+    }
+}
+
+/// Sender side of the in-process transport.
+pub struct MemConnector {
+    fabric: MemFabric,
+    name: String,
+}
+
+impl Connector for MemConnector {
+    fn transport(&self) -> &'static str {
+        "mem"
+    }
+    fn peer(&self) -> String {
+        format!("mem:{}", self.name)
+    }
+    fn connect(&self, hello: &Hello, blocks: &Arc<SendBlocks>) -> Result<Box<dyn Connection>> {
+        let peer = self.peer();
+        let (settings, tx) = self
+            .fabric
+            .listeners
+            .lock()
+            .get(&self.name)
+            .cloned()
+            .ok_or_else(|| Error::Connect {
+                peer: peer.clone(),
+                source: std::io::ErrorKind::ConnectionRefused.into(),
+            })?;
+        check_hello(hello, &settings).map_err(|reason| Error::Refused {
+            peer: peer.clone(),
+            reason,
+        })?;
+        let region = SoftRegion::new(&settings);
+        let accepted = Accepted {
+            hello: hello.clone(),
+            peer: "mem".into(),
+            region: region.clone(),
+        };
+        tx.send(accepted).map_err(|_| Error::Connect {
+            peer: peer.clone(),
+            source: std::io::ErrorKind::ConnectionRefused.into(),
+        })?;
+        Ok(Box::new(MemConnection {
+            peer,
+            region,
+            blocks: blocks.clone(),
+            read_buffer: Vec::new(),
+            done: VecDeque::new(),
+        }))
+    }
+}
+
+/// One in-process connection.
+pub struct MemConnection {
+    peer: String,
+    region: Arc<SoftRegion>,
+    blocks: Arc<SendBlocks>,
+    read_buffer: Vec<u8>,
+    done: VecDeque<Completion>,
+}
+
+impl MemConnection {
+    fn access_error(&self, e: super::region::AccessError) -> Error {
+        Error::Disconnected {
+            peer: self.peer.clone(),
+            reason: format!("remote access error: {}", e.0),
+        }
+    }
+}
+
+impl Drop for MemConnection {
+    fn drop(&mut self) {
+        self.region.close();
+    }
+}
+
+impl Connection for MemConnection {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+    fn layout(&self) -> RemoteLayout {
+        self.region.layout()
+    }
+    fn post_write_chain(&mut self, wr_id: u64, chain: &[WriteWr<'_>]) -> Result<()> {
+        let mut signaled = false;
+        for wr in chain {
+            let RemoteAddr { target, offset } = wr.remote;
+            let applied = match wr.source {
+                WriteSource::SendBlock { index, len } => self.blocks.read(index, len, |src| {
+                    self.region.write_with(target, offset, len, |dst| {
+                        dst.copy_from_slice(src);
+                        Ok(())
+                    })
+                }),
+                WriteSource::Inline(bytes) => {
+                    self.region.write_with(target, offset, bytes.len(), |dst| {
+                        dst.copy_from_slice(bytes);
+                        Ok(())
+                    })
+                }
+            };
+            applied
+                .map_err(|e| self.access_error(e))?
+                .expect("in-memory copy cannot fail");
+            signaled |= wr.signaled;
+        }
+        if signaled {
+            self.done.push_back(Completion { wr_id });
+        }
+        Ok(())
+    }
+    fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()> {
+        self.read_buffer = self
+            .region
+            .read_remote(remote.target, remote.offset, len)
+            .map_err(|e| self.access_error(e))?;
+        self.done.push_back(Completion { wr_id });
+        Ok(())
+    }
+    fn poll_completions(&mut self, out: &mut Vec<Completion>, _timeout: Duration) -> Result<()> {
+        out.extend(self.done.drain(..));
+        Ok(())
+    }
+    fn read_buffer(&self) -> Vec<u8> {
+        self.read_buffer.clone()
+    }
+}

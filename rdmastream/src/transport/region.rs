@@ -1,0 +1,264 @@
+//! Memory on both ends: the receiver's region (status bytes + memory blocks) and the sender's
+//! send blocks. These are the software-transport versions; the verbs transport registers its own
+//! memory with the NIC and offers the same access.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+
+use parking_lot::Mutex;
+
+use super::{RegionSettings, Target};
+use crate::proto::{RemoteLayout, status};
+
+/// The receiver's view of one sender's region. Status bytes are read with acquire and written
+/// with release ordering: a block's bytes are visible once its status byte reads FULL, and the
+/// receiver is done with a block before it stores EMPTY.
+pub trait Region: Send + Sync {
+    /// Number and size of the memory blocks.
+    fn layout(&self) -> RemoteLayout;
+    /// Status byte of block `j` (acquire).
+    fn status(&self, j: usize) -> u8;
+    /// Stores the status byte of block `j` (release).
+    fn set_status(&self, j: usize, value: u8);
+    /// Runs `f` over the bytes of block `j`. Only call while its status is FULL or RETAINED:
+    /// then the sender does not write it.
+    fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8]));
+    /// True once the sender's connection is gone: nothing will be written any more.
+    fn is_closed(&self) -> bool;
+}
+
+/// A receiver region in ordinary memory, written by a software "NIC" (the `mem` transport's
+/// poster or the `tcp` transport's receiving thread).
+pub struct SoftRegion {
+    layout: RemoteLayout,
+    statuses: Box<[AtomicU8]>,
+    blocks: Box<[Mutex<Box<[u8]>>]>,
+    closed: AtomicBool,
+}
+
+/// A remote access that the region's access rights or bounds forbid (what an RNIC reports as a
+/// remote access error).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccessError(pub String);
+
+impl SoftRegion {
+    /// Allocates N blocks of B bytes, all EMPTY except the reserved ones (RETAINED).
+    pub fn new(settings: &RegionSettings) -> Arc<SoftRegion> {
+        let statuses: Box<[AtomicU8]> = (0..settings.blocks)
+            .map(|j| {
+                let s = if settings.reserved_blocks.contains(&j) {
+                    status::RETAINED
+                } else {
+                    status::EMPTY
+                };
+                AtomicU8::new(s)
+            })
+            .collect();
+        let blocks = (0..settings.blocks)
+            .map(|_| Mutex::new(vec![0u8; settings.block_size].into_boxed_slice()))
+            .collect();
+        Arc::new(SoftRegion {
+            layout: RemoteLayout {
+                blocks: settings.blocks,
+                block_size: settings.block_size,
+            },
+            statuses,
+            blocks,
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// Marks the connection gone.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    fn locate(
+        &self,
+        target: Target,
+        offset: u64,
+        len: usize,
+    ) -> Result<(usize, usize), AccessError> {
+        let (unit, count) = match target {
+            Target::Blocks => (self.layout.block_size, self.layout.blocks),
+            Target::Statuses => (1, self.layout.blocks),
+        };
+        let end = offset
+            .checked_add(len as u64)
+            .filter(|&e| e <= (unit * count) as u64);
+        let index = (offset / unit as u64) as usize;
+        let within = (offset % unit as u64) as usize;
+        match end {
+            Some(_) if target == Target::Statuses || within + len <= unit => Ok((index, within)),
+            _ => Err(AccessError(format!(
+                "{len} bytes at {target:?}+{offset} are outside the region"
+            ))),
+        }
+    }
+
+    /// Applies an RDMA WRITE whose bytes `fill` produces into the destination slice. Status bytes
+    /// are stored with release ordering, after everything written before them.
+    pub fn write_with(
+        &self,
+        target: Target,
+        offset: u64,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> std::io::Result<()>,
+    ) -> Result<std::io::Result<()>, AccessError> {
+        let (index, within) = self.locate(target, offset, len)?;
+        match target {
+            Target::Blocks => {
+                let mut block = self.blocks[index].lock();
+                Ok(fill(&mut block[within..within + len]))
+            }
+            Target::Statuses => {
+                let mut bytes = vec![0u8; len];
+                let r = fill(&mut bytes);
+                if r.is_ok() {
+                    for (k, b) in bytes.into_iter().enumerate() {
+                        self.statuses[index + k].store(b, Ordering::Release);
+                    }
+                }
+                Ok(r)
+            }
+        }
+    }
+
+    /// Applies an RDMA READ. Only the status array allows remote reads.
+    pub fn read_remote(
+        &self,
+        target: Target,
+        offset: u64,
+        len: usize,
+    ) -> Result<Vec<u8>, AccessError> {
+        if target != Target::Statuses {
+            return Err(AccessError("memory blocks do not allow remote READ".into()));
+        }
+        let (index, _) = self.locate(target, offset, len)?;
+        Ok(self.statuses[index..index + len]
+            .iter()
+            .map(|s| s.load(Ordering::Acquire))
+            .collect())
+    }
+}
+
+impl Region for SoftRegion {
+    fn layout(&self) -> RemoteLayout {
+        self.layout
+    }
+    fn status(&self, j: usize) -> u8 {
+        self.statuses[j].load(Ordering::Acquire)
+    }
+    fn set_status(&self, j: usize, value: u8) {
+        self.statuses[j].store(value, Ordering::Release)
+    }
+    fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8])) {
+        f(&self.blocks[j].lock())
+    }
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// The sender's S send blocks (the paper's sending memory blocks). A block belongs to the filling
+/// thread while its local status is 0 and to the sending thread (and the NIC) while it is 1; the
+/// hand-over is by block index over channels, so the per-block lock is never contended.
+pub struct SendBlocks {
+    block_size: usize,
+    blocks: Box<[Mutex<Box<[u8]>>]>,
+}
+
+impl SendBlocks {
+    /// Allocates `count` blocks of `block_size` bytes, once, at start.
+    pub fn new(count: usize, block_size: usize) -> Arc<SendBlocks> {
+        Arc::new(SendBlocks {
+            block_size,
+            blocks: (0..count)
+                .map(|_| Mutex::new(vec![0u8; block_size].into_boxed_slice()))
+                .collect(),
+        })
+    }
+
+    /// Number of send blocks.
+    pub fn count(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Bytes per send block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Runs `f` with block `i` mutably (the filling thread).
+    pub fn fill<R>(&self, i: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        f(&mut self.blocks[i].lock())
+    }
+
+    /// Runs `f` over the first `len` bytes of block `i` (a transport posting a WRITE).
+    pub fn read<R>(&self, i: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        f(&self.blocks[i].lock()[..len])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region() -> Arc<SoftRegion> {
+        SoftRegion::new(&RegionSettings {
+            blocks: 4,
+            block_size: 64,
+            token: String::new(),
+            reserved_blocks: vec![2],
+        })
+    }
+
+    #[test]
+    fn reserved_blocks_start_retained() {
+        let r = region();
+        assert_eq!(
+            (0..4).map(|j| r.status(j)).collect::<Vec<_>>(),
+            vec![0, 0, 2, 0]
+        );
+    }
+
+    #[test]
+    fn access_rights_and_bounds_are_enforced() {
+        let r = region();
+        assert!(
+            r.read_remote(Target::Blocks, 0, 4).is_err(),
+            "blocks must not be remotely readable"
+        );
+        assert!(
+            r.write_with(Target::Blocks, 60, 8, |_| Ok(())).is_err(),
+            "write across a block end"
+        );
+        assert!(
+            r.write_with(Target::Blocks, 256, 1, |_| Ok(())).is_err(),
+            "write past the region"
+        );
+        assert!(
+            r.read_remote(Target::Statuses, 2, 4).is_err(),
+            "read past the status array"
+        );
+        r.write_with(Target::Blocks, 64 + 3, 2, |b| {
+            b.copy_from_slice(b"hi");
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+        r.write_with(Target::Statuses, 1, 1, |b| {
+            b[0] = 1;
+            Ok(())
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            r.read_remote(Target::Statuses, 0, 4).unwrap(),
+            vec![0, 1, 2, 0]
+        );
+        let mut seen = Vec::new();
+        r.read_block(1, &mut |b| seen.extend_from_slice(&b[3..5]));
+        assert_eq!(seen, b"hi");
+    }
+}

@@ -1,0 +1,549 @@
+//! Software emulation of the one-sided data path over TCP, for machines without an RDMA NIC.
+//!
+//! After the handshake (u32 little-endian length + [`Hello`] / [`Welcome`] body), the same socket
+//! carries operations, each a 24-byte header (layout in docs/protocol.md) plus data:
+//! sender → receiver WRITE (with data) and READ; receiver → sender ACK (completion of a signaled
+//! request), READ_RESP (with data) and ERROR (a remote access error, with text).
+//!
+//! On the receiver a transport thread per connection plays the NIC: it applies WRITEs to the
+//! region in the order they were posted (a status byte is stored with release ordering after the
+//! block bytes written before it), answers READs with acquire loads of the status bytes, and
+//! acknowledges signaled requests after applying them. The receiver's own threads never touch
+//! the socket.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use parking_lot::Mutex;
+
+use super::{
+    Accepted, Completion, Connection, Connector, Listener, RegionSettings, RemoteAddr, SendBlocks,
+    SoftRegion, Target, WriteSource, WriteWr, check_hello,
+};
+use crate::error::{Error, Result, spawn};
+use crate::proto::RemoteLayout;
+use crate::proto::handshake::{DataPath, Hello, MAX_MESSAGE, Welcome};
+
+const OP_WRITE: u8 = 1;
+const OP_READ: u8 = 2;
+const OP_ACK: u8 = 3;
+const OP_READ_RESP: u8 = 4;
+const OP_ERROR: u8 = 5;
+const OP_HEADER: usize = 24;
+/// How long a peer may take to complete the handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone, Copy)]
+struct OpHeader {
+    op: u8,
+    target: u8,
+    signaled: bool,
+    len: u32,
+    offset: u64,
+    wr_id: u64,
+}
+
+impl OpHeader {
+    fn encode(&self) -> [u8; OP_HEADER] {
+        let mut b = [0u8; OP_HEADER];
+        b[0] = self.op;
+        b[1] = self.target;
+        b[2] = self.signaled as u8;
+        b[4..8].copy_from_slice(&self.len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.offset.to_le_bytes());
+        b[16..24].copy_from_slice(&self.wr_id.to_le_bytes());
+        b
+    }
+    fn decode(b: &[u8; OP_HEADER]) -> OpHeader {
+        OpHeader {
+            op: b[0],
+            target: b[1],
+            signaled: b[2] != 0,
+            len: u32::from_le_bytes(b[4..8].try_into().unwrap()),
+            offset: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+            wr_id: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+        }
+    }
+}
+
+fn target_of(code: u8) -> Option<Target> {
+    match code {
+        0 => Some(Target::Blocks),
+        1 => Some(Target::Statuses),
+        _ => None,
+    }
+}
+
+/// Writes one length-prefixed handshake message.
+pub(crate) fn send_message(stream: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+    let mut framed = Vec::with_capacity(4 + body.len());
+    framed.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    framed.extend_from_slice(body);
+    stream.write_all(&framed)
+}
+
+/// Reads one length-prefixed handshake message (bounded by [`MAX_MESSAGE`]).
+pub(crate) fn recv_message(stream: &mut TcpStream) -> std::result::Result<Vec<u8>, String> {
+    let mut len = [0u8; 4];
+    stream
+        .read_exact(&mut len)
+        .map_err(|e| format!("reading message length: {e}"))?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE {
+        return Err(format!(
+            "message of {len} bytes is over the {MAX_MESSAGE}-byte limit"
+        ));
+    }
+    let mut body = vec![0u8; len];
+    stream
+        .read_exact(&mut body)
+        .map_err(|e| format!("reading {len}-byte message: {e}"))?;
+    Ok(body)
+}
+
+fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
+    addr.to_socket_addrs()?.next().ok_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::NotFound, "address resolves to nothing")
+    })
+}
+
+/// Connects senders to a receiver over TCP.
+pub struct TcpConnector {
+    addr: String,
+}
+
+impl TcpConnector {
+    /// A connector to `host:port`.
+    pub fn new(addr: impl Into<String>) -> TcpConnector {
+        TcpConnector { addr: addr.into() }
+    }
+}
+
+impl Connector for TcpConnector {
+    fn transport(&self) -> &'static str {
+        "tcp"
+    }
+    fn peer(&self) -> String {
+        self.addr.clone()
+    }
+    fn connect(&self, hello: &Hello, blocks: &Arc<SendBlocks>) -> Result<Box<dyn Connection>> {
+        let peer = self.addr.clone();
+        let connect_err = |source| Error::Connect {
+            peer: peer.clone(),
+            source,
+        };
+        let sock = resolve(&self.addr).map_err(connect_err)?;
+        let mut stream =
+            TcpStream::connect_timeout(&sock, Duration::from_secs(3)).map_err(connect_err)?;
+        stream.set_nodelay(true).map_err(connect_err)?;
+        let hs_err = |reason: String| Error::Handshake {
+            peer: peer.clone(),
+            reason,
+        };
+        stream
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(|e| hs_err(e.to_string()))?;
+        let hello = Hello {
+            data_path: DataPath::Tcp,
+            ..hello.clone()
+        };
+        send_message(&mut stream, &hello.encode())
+            .map_err(|e| hs_err(format!("sending hello: {e}")))?;
+        let body = recv_message(&mut stream).map_err(hs_err)?;
+        let welcome = Welcome::decode(&body).map_err(|e| hs_err(format!("bad welcome: {e}")))?;
+        if !welcome.error.is_empty() {
+            return Err(Error::Refused {
+                peer,
+                reason: welcome.error,
+            });
+        }
+        stream
+            .set_read_timeout(None)
+            .map_err(|e| hs_err(e.to_string()))?;
+        let layout = RemoteLayout {
+            blocks: welcome.blocks as usize,
+            block_size: welcome.block_size as usize,
+        };
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let read_buffer = Arc::new(Mutex::new(Vec::new()));
+        let reader = stream.try_clone().map_err(connect_err)?;
+        let buf = read_buffer.clone();
+        let reader_peer = peer.clone();
+        spawn(format!("tcp-completions-{peer}"), move || {
+            completion_reader(reader, reader_peer, tx, buf)
+        })?;
+        Ok(Box::new(TcpConnection {
+            peer,
+            layout,
+            writer: BufWriter::with_capacity(64 * 1024, stream),
+            blocks: blocks.clone(),
+            completions: rx,
+            read_buffer,
+            unflushed: false,
+        }))
+    }
+}
+
+enum Event {
+    Done(Completion),
+    Failed(String),
+}
+
+fn completion_reader(
+    stream: TcpStream,
+    peer: String,
+    tx: Sender<Event>,
+    read_buffer: Arc<Mutex<Vec<u8>>>,
+) {
+    let mut r = BufReader::with_capacity(16 * 1024, stream);
+    let fail = |tx: &Sender<Event>, why: String| {
+        let _ = tx.send(Event::Failed(why));
+    };
+    loop {
+        let mut hb = [0u8; OP_HEADER];
+        if let Err(e) = r.read_exact(&mut hb) {
+            return fail(&tx, format!("receiver closed the connection ({e})"));
+        }
+        let h = OpHeader::decode(&hb);
+        match h.op {
+            OP_ACK => {}
+            OP_READ_RESP => {
+                let mut data = vec![0u8; h.len as usize];
+                if let Err(e) = r.read_exact(&mut data) {
+                    return fail(&tx, format!("reading READ response: {e}"));
+                }
+                *read_buffer.lock() = data;
+            }
+            OP_ERROR => {
+                let mut text = vec![0u8; (h.len as usize).min(4096)];
+                let _ = r.read_exact(&mut text);
+                return fail(
+                    &tx,
+                    format!("remote access error: {}", String::from_utf8_lossy(&text)),
+                );
+            }
+            other => {
+                return fail(
+                    &tx,
+                    format!("protocol error from {peer}: unknown operation {other}"),
+                );
+            }
+        }
+        if tx.send(Event::Done(Completion { wr_id: h.wr_id })).is_err() {
+            return;
+        }
+    }
+}
+
+/// The sender's end of a TCP-emulated connection.
+pub struct TcpConnection {
+    peer: String,
+    layout: RemoteLayout,
+    writer: BufWriter<TcpStream>,
+    blocks: Arc<SendBlocks>,
+    completions: Receiver<Event>,
+    read_buffer: Arc<Mutex<Vec<u8>>>,
+    unflushed: bool,
+}
+
+impl TcpConnection {
+    fn lost(&self, reason: impl std::fmt::Display) -> Error {
+        Error::Disconnected {
+            peer: self.peer.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    fn handle(&mut self, event: Event, out: &mut Vec<Completion>) -> Result<()> {
+        match event {
+            Event::Done(c) => {
+                out.push(c);
+                Ok(())
+            }
+            Event::Failed(why) => Err(self.lost(why)),
+        }
+    }
+}
+
+impl Drop for TcpConnection {
+    fn drop(&mut self) {
+        let _ = self.writer.flush();
+        let _ = self.writer.get_ref().shutdown(Shutdown::Both);
+    }
+}
+
+impl Connection for TcpConnection {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+    fn layout(&self) -> RemoteLayout {
+        self.layout
+    }
+    fn post_write_chain(&mut self, wr_id: u64, chain: &[WriteWr<'_>]) -> Result<()> {
+        for wr in chain {
+            let len = match wr.source {
+                WriteSource::SendBlock { len, .. } => len,
+                WriteSource::Inline(b) => b.len(),
+            };
+            let h = OpHeader {
+                op: OP_WRITE,
+                target: wr.remote.target as u8,
+                signaled: wr.signaled,
+                len: len as u32,
+                offset: wr.remote.offset,
+                wr_id,
+            };
+            let w = &mut self.writer;
+            let r = w.write_all(&h.encode()).and_then(|_| match wr.source {
+                WriteSource::SendBlock { index, len } => {
+                    self.blocks.read(index, len, |b| w.write_all(b))
+                }
+                WriteSource::Inline(b) => w.write_all(b),
+            });
+            r.map_err(|e| self.lost(format!("sending WRITE: {e}")))?;
+        }
+        self.unflushed = true;
+        Ok(())
+    }
+    fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()> {
+        let h = OpHeader {
+            op: OP_READ,
+            target: remote.target as u8,
+            signaled: true,
+            len: len as u32,
+            offset: remote.offset,
+            wr_id,
+        };
+        self.writer
+            .write_all(&h.encode())
+            .map_err(|e| self.lost(format!("sending READ: {e}")))?;
+        self.unflushed = true;
+        Ok(())
+    }
+    fn poll_completions(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<()> {
+        if self.unflushed {
+            self.writer
+                .flush()
+                .map_err(|e| self.lost(format!("sending: {e}")))?;
+            self.unflushed = false;
+        }
+        match self.completions.recv_timeout(timeout) {
+            Ok(ev) => self.handle(ev, out)?,
+            Err(RecvTimeoutError::Timeout) => return Ok(()),
+            Err(RecvTimeoutError::Disconnected) => return Err(self.lost("completion thread ended")),
+        }
+        while let Ok(ev) = self.completions.try_recv() {
+            self.handle(ev, out)?;
+        }
+        Ok(())
+    }
+    fn read_buffer(&self) -> Vec<u8> {
+        self.read_buffer.lock().clone()
+    }
+}
+
+/// Receiver side: accepts senders, runs the handshake, and starts one NIC-emulating thread per
+/// connection.
+pub struct TcpListenerTransport {
+    local: String,
+    rx: Receiver<Accepted>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for TcpListenerTransport {
+    fn drop(&mut self) {
+        // Wake the accepting thread so it sees the flag and releases the port.
+        self.stop.store(true, Ordering::Release);
+        if let Ok(addr) = resolve(&self.local) {
+            let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(200));
+        }
+    }
+}
+
+impl TcpListenerTransport {
+    /// Binds `addr` and starts accepting. Each sender gets a region from `settings`.
+    pub fn bind(addr: &str, settings: RegionSettings) -> Result<TcpListenerTransport> {
+        let listen_err = |source| Error::Listen {
+            addr: addr.to_string(),
+            source,
+        };
+        let listener = TcpListener::bind(addr).map_err(listen_err)?;
+        let local = listener.local_addr().map_err(listen_err)?.to_string();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let settings = Arc::new(settings);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_accepting = stop.clone();
+        spawn("tcp-accept", move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                if stop.load(Ordering::Acquire) {
+                    break;
+                }
+                let (tx, settings) = (tx.clone(), settings.clone());
+                let _ = spawn("tcp-handshake", move || {
+                    if let Some(accepted) = handshake(stream, &settings) {
+                        let _ = tx.send(accepted);
+                    }
+                });
+            }
+        })?;
+        Ok(TcpListenerTransport {
+            local,
+            rx,
+            stop: stop_accepting,
+        })
+    }
+}
+
+impl Listener for TcpListenerTransport {
+    fn transport(&self) -> &'static str {
+        "tcp"
+    }
+    fn local_addr(&self) -> String {
+        self.local.clone()
+    }
+    fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
+        Ok(self.rx.recv_timeout(timeout).ok())
+    }
+}
+
+/// Runs the receiver's half of the handshake. On any problem logs one line naming the peer,
+/// closes the connection and returns `None`; nothing is allocated before the Hello is valid.
+fn handshake(mut stream: TcpStream, settings: &RegionSettings) -> Option<Accepted> {
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "unknown peer".into());
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let _ = stream.set_nodelay(true);
+    let refuse = |stream: &mut TcpStream, why: String| {
+        tracing::warn!(%peer, "rejected connection: {why}");
+        let _ = send_message(stream, &Welcome::refusal(why).encode());
+        let _ = stream.shutdown(Shutdown::Both);
+    };
+    let body = match recv_message(&mut stream) {
+        Ok(b) => b,
+        Err(e) => {
+            refuse(&mut stream, format!("bad handshake: {e}"));
+            return None;
+        }
+    };
+    let hello = match Hello::decode(&body) {
+        Ok(h) => h,
+        Err(e) => {
+            refuse(&mut stream, format!("bad handshake: {e}"));
+            return None;
+        }
+    };
+    if hello.data_path != DataPath::Tcp {
+        refuse(
+            &mut stream,
+            "this receiver speaks the tcp transport only".into(),
+        );
+        return None;
+    }
+    if let Err(why) = check_hello(&hello, settings) {
+        refuse(&mut stream, format!("sender '{}': {why}", hello.sender));
+        return None;
+    }
+    let region = SoftRegion::new(settings);
+    let welcome = Welcome {
+        blocks: settings.blocks as u32,
+        block_size: settings.block_size as u32,
+        ..Welcome::refusal("")
+    };
+    if send_message(&mut stream, &welcome.encode()).is_err()
+        || stream.set_read_timeout(None).is_err()
+    {
+        return None;
+    }
+    let nic_region = region.clone();
+    let nic_peer = peer.clone();
+    spawn(format!("tcp-nic-{}", hello.sender), move || {
+        if let Err(why) = emulate_nic(stream, &nic_region) {
+            tracing::debug!(peer = %nic_peer, "connection ended: {why}");
+        }
+        nic_region.close();
+    })
+    .ok()?;
+    Some(Accepted {
+        hello,
+        peer,
+        region,
+    })
+}
+
+/// Plays the NIC for one connection until it ends.
+fn emulate_nic(stream: TcpStream, region: &SoftRegion) -> std::result::Result<(), String> {
+    let mut out =
+        BufWriter::with_capacity(16 * 1024, stream.try_clone().map_err(|e| e.to_string())?);
+    let mut r = BufReader::with_capacity(256 * 1024, stream);
+    loop {
+        let mut hb = [0u8; OP_HEADER];
+        if let Err(e) = r.read_exact(&mut hb) {
+            let _ = out.flush();
+            return Err(format!("sender closed the connection ({e})"));
+        }
+        let h = OpHeader::decode(&hb);
+        let target = target_of(h.target);
+        let access_error = |out: &mut BufWriter<TcpStream>, why: String| {
+            let reply = OpHeader {
+                op: OP_ERROR,
+                target: 0,
+                signaled: false,
+                len: why.len() as u32,
+                offset: 0,
+                wr_id: h.wr_id,
+            };
+            let _ = out
+                .write_all(&reply.encode())
+                .and_then(|_| out.write_all(why.as_bytes()))
+                .and_then(|_| out.flush());
+            Err(format!("remote access error: {why}"))
+        };
+        match (h.op, target) {
+            (OP_WRITE, Some(target)) => {
+                let len = h.len as usize;
+                match region.write_with(target, h.offset, len, |dst| r.read_exact(dst)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(format!("reading WRITE data: {e}")),
+                    Err(e) => return access_error(&mut out, e.0),
+                }
+                if h.signaled {
+                    let ack = OpHeader {
+                        op: OP_ACK,
+                        len: 0,
+                        ..h
+                    };
+                    out.write_all(&ack.encode()).map_err(|e| e.to_string())?;
+                }
+            }
+            (OP_READ, Some(target)) => match region.read_remote(target, h.offset, h.len as usize) {
+                Ok(data) => {
+                    let resp = OpHeader {
+                        op: OP_READ_RESP,
+                        ..h
+                    };
+                    out.write_all(&resp.encode())
+                        .and_then(|_| out.write_all(&data))
+                        .map_err(|e| e.to_string())?;
+                }
+                Err(e) => return access_error(&mut out, e.0),
+            },
+            _ => {
+                return access_error(
+                    &mut out,
+                    format!("unknown operation {} on target {}", h.op, h.target),
+                );
+            }
+        }
+        // Acknowledge in batches: flush once no more requests are already buffered.
+        if r.buffer().is_empty() {
+            out.flush().map_err(|e| e.to_string())?;
+        }
+    }
+}
