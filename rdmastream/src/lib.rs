@@ -11,6 +11,7 @@ pub mod proto;
 pub mod transport;
 
 pub use error::{Error, Result};
+pub mod app;
 pub mod engine;
 pub mod sink;
 pub mod source;

@@ -201,10 +201,10 @@ fn writer_thread(opts: Arc<DirectorySinkOptions>, rx: Receiver<Job>) {
                     .get(&key.device)
                     .copied()
                     .unwrap_or(opts.default);
-                if let Err(e) = write_frame(&opts.out, &key, dev, out, &frame) {
-                    if !std::mem::replace(&mut dev.warned_io, true) {
-                        tracing::error!(stream = %key, "cannot write frame: {e}");
-                    }
+                if let Err(e) = write_frame(&opts.out, &key, dev, out, &frame)
+                    && !std::mem::replace(&mut dev.warned_io, true)
+                {
+                    tracing::error!(stream = %key, "cannot write frame: {e}");
                 }
             }
         }

@@ -46,6 +46,7 @@ impl DeviceNumbering {
     /// 65535 blocks (the fragment count is 16 bits) or the block cannot hold any payload.
     /// `frame_index` overrides the frame index (a source numbers its frames itself, so frames it
     /// dropped leave a visible gap); `None` uses the next one.
+    #[allow(clippy::too_many_arguments)] // one argument per header field it fills
     pub fn plan(
         &mut self,
         device: u8,

@@ -17,10 +17,12 @@ use crate::error::{Error, Result};
 use crate::proto::RemoteLayout;
 use crate::proto::handshake::Hello;
 
+type Endpoints = HashMap<String, (RegionSettings, Sender<Accepted>)>;
+
 /// Named in-process endpoints that senders can connect to.
 #[derive(Clone, Default)]
 pub struct MemFabric {
-    listeners: Arc<Mutex<HashMap<String, (RegionSettings, Sender<Accepted>)>>>,
+    listeners: Arc<Mutex<Endpoints>>,
 }
 
 impl MemFabric {
