@@ -13,6 +13,7 @@ pub mod transport;
 pub use error::{Error, Result};
 pub mod app;
 pub mod engine;
+pub mod sim;
 pub mod sink;
 pub mod source;
 pub mod stats;

@@ -31,8 +31,10 @@ pub mod flags {
     pub const END_OF_STREAM: u8 = 0x01;
     /// The payload is a format descriptor (see [`crate::proto::Format`]), not frame data.
     pub const FORMAT: u8 = 0x02;
+    /// First block of the device's stream: the receiver starts reordering at this packet number.
+    pub const STREAM_START: u8 = 0x04;
     /// All flags this version knows; a header with any other bit set is rejected.
-    pub const KNOWN: u8 = END_OF_STREAM | FORMAT;
+    pub const KNOWN: u8 = END_OF_STREAM | FORMAT | STREAM_START;
 }
 
 /// Decoded block header. One frame (or format descriptor, or end of stream) is a message of
@@ -230,6 +232,11 @@ impl BlockHeader {
     /// True for the block that ends a device's stream.
     pub fn is_end_of_stream(&self) -> bool {
         self.flags & flags::END_OF_STREAM != 0
+    }
+
+    /// True on the first block a device ever sends.
+    pub fn is_stream_start(&self) -> bool {
+        self.flags & flags::STREAM_START != 0
     }
 
     /// True when the payload is a format descriptor.

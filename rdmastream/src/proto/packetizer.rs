@@ -19,6 +19,7 @@ pub enum MessageKind {
 pub struct DeviceNumbering {
     next_packet: u16,
     next_frame: u64,
+    started: bool,
 }
 
 impl DeviceNumbering {
@@ -27,6 +28,7 @@ impl DeviceNumbering {
         DeviceNumbering {
             next_packet: packet,
             next_frame: frame,
+            started: false,
         }
     }
 
@@ -77,10 +79,12 @@ impl DeviceNumbering {
             .map(|k| {
                 let start = k * cap;
                 let payload_len = (len - start).min(cap);
+                let start = if self.started { 0 } else { flags::STREAM_START };
+                self.started = true;
                 let h = BlockHeader {
                     device,
                     packet: self.next_packet,
-                    flags: flag_bits,
+                    flags: flag_bits | start,
                     fragment_index: k as u16,
                     fragment_count: count as u16,
                     payload_len: payload_len as u32,

@@ -8,6 +8,11 @@
 //! Packet numbers are compared with serial-number arithmetic (RFC 1982 style, 16 bits): a packet
 //! less than half the number space ahead of the expected one is ahead, otherwise behind (a
 //! duplicate or a packet given up on). Memory is bounded: at most `window` packets are held.
+//!
+//! Where a stream starts: the first block a device sends carries the STREAM_START flag, and the
+//! stream starts at its packet number even if later packets were processed first. A receiver
+//! that joins mid-stream (it restarted) sees no such flag; it holds the first packets until the
+//! window fills or the timeout passes and starts at the oldest of them.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -91,6 +96,9 @@ pub struct DeviceStream {
     expected: Option<u16>,
     /// `slots[k]` holds packet `expected + k` if it arrived.
     slots: VecDeque<Option<Packet>>,
+    /// Before the start is known: packets held, and since when.
+    settling: Vec<Packet>,
+    settling_since: Option<Instant>,
     /// Since when the head of the buffer is missing while later packets wait.
     stalled_since: Option<Instant>,
     assembly: Option<Assembly>,
@@ -110,6 +118,8 @@ impl DeviceStream {
             },
             expected: None,
             slots: VecDeque::new(),
+            settling: Vec::new(),
+            settling_since: None,
             stalled_since: None,
             assembly: None,
             discarding: false,
@@ -120,8 +130,44 @@ impl DeviceStream {
 
     /// Feeds one packet of this device.
     pub fn handle_packet(&mut self, now: Instant, packet: Packet) {
+        if self.expected.is_none() {
+            if packet.header.is_stream_start() {
+                self.start_at(now, packet.header.packet);
+            } else {
+                self.settling.push(packet);
+                self.settling_since.get_or_insert(now);
+                if self.settling.len() >= self.cfg.window as usize {
+                    self.start_at_oldest(now);
+                }
+                return;
+            }
+        }
+        self.insert(now, packet);
+    }
+
+    /// Starts the stream at `number` and replays what was held.
+    fn start_at(&mut self, now: Instant, number: u16) {
+        self.expected = Some(number);
+        self.settling_since = None;
+        for p in std::mem::take(&mut self.settling) {
+            self.insert(now, p);
+        }
+    }
+
+    /// Starts at the oldest held packet (serial-number order).
+    fn start_at_oldest(&mut self, now: Instant) {
+        let numbers: Vec<u16> = self.settling.iter().map(|p| p.header.packet).collect();
+        let oldest = numbers
+            .iter()
+            .copied()
+            .find(|&c| numbers.iter().all(|&o| o.wrapping_sub(c) < 0x8000))
+            .unwrap_or(numbers[0]);
+        self.start_at(now, oldest);
+    }
+
+    fn insert(&mut self, now: Instant, packet: Packet) {
         let number = packet.header.packet;
-        let expected = *self.expected.get_or_insert(number);
+        let expected = self.expected.expect("started");
         let ahead = number.wrapping_sub(expected);
         if ahead >= 0x8000 {
             self.stats.duplicates += 1;
@@ -154,6 +200,12 @@ impl DeviceStream {
 
     /// Gives up on missing packets that were waited for longer than the timeout.
     pub fn handle_timeout(&mut self, now: Instant) {
+        if self
+            .settling_since
+            .is_some_and(|t| now.saturating_duration_since(t) >= self.cfg.timeout)
+        {
+            self.start_at_oldest(now);
+        }
         if let Some(since) = self.stalled_since
             && now.saturating_duration_since(since) >= self.cfg.timeout
         {
@@ -168,7 +220,9 @@ impl DeviceStream {
 
     /// When [`Self::handle_timeout`] should next be called.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.stalled_since.map(|t| t + self.cfg.timeout)
+        let settle = self.settling_since.map(|t| t + self.cfg.timeout);
+        let stall = self.stalled_since.map(|t| t + self.cfg.timeout);
+        settle.into_iter().chain(stall).min()
     }
 
     /// Next event in order.
@@ -183,7 +237,7 @@ impl DeviceStream {
 
     /// Packets currently held waiting for a missing one.
     pub fn held(&self) -> usize {
-        self.slots.iter().filter(|s| s.is_some()).count()
+        self.slots.iter().filter(|s| s.is_some()).count() + self.settling.len()
     }
 
     /// The packet number expected next, once known.
@@ -252,7 +306,7 @@ impl DeviceStream {
         let consistent = a.next_fragment == h.fragment_index
             && a.first.fragment_count == h.fragment_count
             && a.first.frame_index == h.frame_index
-            && a.first.flags == h.flags
+            && (a.first.flags ^ h.flags) & !crate::proto::header::flags::STREAM_START == 0
             && a.first.message_len == h.message_len
             && a.data.len() + p.payload.len() <= h.message_len as usize;
         if !consistent {
@@ -355,15 +409,37 @@ mod tests {
             pair.reverse();
         }
         let mut s = DeviceStream::new(ReorderConfig::default());
-        // First packet seen sets the start: feed the true first one first.
-        let first = ps.remove(1);
-        s.handle_packet(now, first);
         for p in ps {
             s.handle_packet(now, p);
         }
         assert_eq!(frames(&mut s), vec![0, 1, 2, 3, 4, 5]);
         assert_eq!(s.stats().gap_packets, 0);
         assert_eq!(s.held(), 0);
+    }
+
+    #[test]
+    fn joining_mid_stream_starts_at_the_oldest_after_settling() {
+        let now = Instant::now();
+        let mut n = DeviceNumbering::starting_at(65533, 0);
+        let mut ps = packets(&mut n, 8, 5, 64);
+        ps.remove(0); // the STREAM_START block was consumed by a receiver that then restarted
+        ps.swap(0, 3);
+        let cfg = ReorderConfig {
+            window: 16,
+            timeout: Duration::from_millis(50),
+        };
+        let mut s = DeviceStream::new(cfg);
+        for p in ps {
+            s.handle_packet(now, p);
+        }
+        assert_eq!(
+            frames(&mut s),
+            Vec::<u64>::new(),
+            "nothing before the start is known"
+        );
+        s.handle_timeout(now + Duration::from_millis(50));
+        assert_eq!(frames(&mut s), vec![1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(s.stats().duplicates, 0);
     }
 
     #[test]
