@@ -242,8 +242,8 @@ pub fn run(cfg: &SimConfig, limit: Duration) -> SimReport {
         .iter()
         .map(|d| DeviceNumbering::starting_at(d.first_packet, 0))
         .collect();
-    // The message being filled: device, headers left, payload.
-    let mut filling: Option<(usize, VecDeque<(usize, BlockHeader)>, Vec<u8>)> = None;
+    // The message being filled: fragments left (index, header), payload.
+    let mut filling: Option<(VecDeque<(usize, BlockHeader)>, Vec<u8>)> = None;
     let mut rr_device = 0usize;
 
     let mut report = SimReport::default();
@@ -454,9 +454,9 @@ pub fn run(cfg: &SimConfig, limit: Duration) -> SimReport {
                         0,
                     )
                     .expect("fits");
-                filling = Some((i, hs.into_iter().enumerate().collect(), data));
+                filling = Some((hs.into_iter().enumerate().collect(), data));
             }
-            let Some((_, headers, data)) = filling.as_mut() else {
+            let Some((headers, data)) = filling.as_mut() else {
                 break;
             };
             let Some(b) = free.front().copied() else {

@@ -211,6 +211,21 @@ fn writer_thread(opts: Arc<DirectorySinkOptions>, rx: Receiver<Job>) {
     }
 }
 
+/// Removes temporary files a killed receiver left behind (they were never renamed, so no
+/// watcher saw them as frames).
+fn remove_stale_temporaries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') && name.ends_with(".tmp") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 fn write_frame(
     out: &Path,
     key: &StreamKey,
@@ -238,6 +253,7 @@ fn write_frame(
     let dir = path.parent().expect("frame path has a directory");
     if !dev.dir_ready {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        remove_stale_temporaries(dir);
         dev.dir_ready = true;
     }
     let tmp = dir.join(format!(".{:08}.{ext}.tmp", frame.index));

@@ -1,0 +1,1 @@
+//! Integration tests only; see tests/.
