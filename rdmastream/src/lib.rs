@@ -10,6 +10,8 @@ pub mod error;
 pub mod proto;
 pub mod transport;
 
+/// Re-exported: frames are [`bytes::Bytes`].
+pub use bytes;
 pub use error::{Error, Result};
 pub mod app;
 pub mod engine;

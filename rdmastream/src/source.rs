@@ -22,7 +22,8 @@ pub struct SourceFrame {
     pub duration_ns: u32,
     /// Format descriptor (caps string) of this frame.
     pub format: Arc<str>,
-    pub data: Vec<u8>,
+    /// The frame's bytes (cheaply clonable: a source may hand out the same buffer again).
+    pub data: bytes::Bytes,
 }
 
 /// The synthetic camera reference: pixel (x, y) of frame `f` of device `d` is
@@ -186,7 +187,7 @@ impl Producer {
             timestamp_ns: unix_now_ns(),
             duration_ns: self.period.as_nanos().min(u32::MAX as u128) as u32,
             format: self.format.clone(),
-            data: (self.make)(index),
+            data: (self.make)(index).into(),
         }
     }
 

@@ -14,9 +14,12 @@
 //! carries on and the receiver can drop what it already had.
 //!
 //! The remote status cache (the paper's "second status byte memory block") is only ever
-//! refreshed by a whole-array READ (the sync), and the sync is posted only when no write chain is
-//! outstanding, so the bytes it returns already include every status byte our own writes set.
-//! No write is decided while a sync is in flight (write-after-read is not ordered by RDMA).
+//! refreshed by a whole-array READ (the sync), posted when the cache shows no free block. The READ
+//! may overtake write chains that are still outstanding (their status byte may not be placed yet,
+//! so the READ can see a stale 0): every block written by a chain that had not completed when the
+//! READ was posted stays 1 in the cache whatever the READ returned, until a later sync. A block
+//! the cache shows as 0 really is free (only the sender turns a 0 into anything else — see
+//! docs/protocol.md), so writes never depend on a READ that has not completed.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -74,6 +77,7 @@ struct Filled {
 struct InFlight {
     wr_id: u64,
     filled: Filled,
+    remote_block: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,6 +108,9 @@ pub struct SenderMachine {
     /// Send blocks whose chain completed: their local status byte is back to 0.
     freed: VecDeque<usize>,
     sync: Sync,
+    /// Blocks whose status byte the sync in flight may not have seen (written by chains that had
+    /// not completed when it was posted); they stay FULL in the cache.
+    unsure: Vec<usize>,
     max_outstanding: usize,
     backoff: Duration,
     next_wr_id: u64,
@@ -126,6 +133,7 @@ impl SenderMachine {
             in_flight: VecDeque::new(),
             freed: VecDeque::new(),
             sync: Sync::Needed,
+            unsure: Vec::new(),
             max_outstanding: max_outstanding.max(1),
             backoff: MIN_BACKOFF,
             next_wr_id: 1,
@@ -140,6 +148,7 @@ impl SenderMachine {
         self.remote = vec![status::FULL; layout.blocks];
         self.cursor = 0;
         self.sync = Sync::Needed;
+        self.unsure.clear();
         self.backoff = MIN_BACKOFF;
     }
 
@@ -178,6 +187,10 @@ impl SenderMachine {
         }
         let n = self.remote.len().min(statuses.len());
         self.remote[..n].copy_from_slice(&statuses[..n]);
+        for &j in &self.unsure {
+            self.remote[j] = status::FULL;
+        }
+        self.unsure.clear();
         if self.remote.contains(&status::EMPTY) {
             self.sync = Sync::Idle;
             self.backoff = MIN_BACKOFF;
@@ -210,7 +223,11 @@ impl SenderMachine {
                 self.remote[j] = status::FULL;
                 self.cursor = (j + 1) % layout.blocks;
                 let wr_id = self.take_wr_id();
-                self.in_flight.push_back(InFlight { wr_id, filled });
+                self.in_flight.push_back(InFlight {
+                    wr_id,
+                    filled,
+                    remote_block: j,
+                });
                 self.stats.writes += 1;
                 Some(Action::Write {
                     wr_id,
@@ -227,11 +244,8 @@ impl SenderMachine {
     }
 
     fn try_sync(&mut self) -> Option<Action> {
-        // Only sync with nothing outstanding: then the READ cannot return a status byte older
-        // than one of our own writes.
-        if !self.in_flight.is_empty() {
-            return None;
-        }
+        let remote_blocks: Vec<usize> = self.in_flight.iter().map(|f| f.remote_block).collect();
+        self.unsure = remote_blocks;
         let wr_id = self.take_wr_id();
         self.sync = Sync::InFlight(wr_id);
         self.stats.syncs += 1;
@@ -361,7 +375,7 @@ mod tests {
     }
 
     #[test]
-    fn sync_waits_for_outstanding_writes_then_backs_off_when_nothing_is_free() {
+    fn sync_keeps_outstanding_blocks_full_then_backs_off_when_nothing_is_free() {
         let (mut m, now) = connected(1, 4);
         let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
             panic!()
@@ -372,18 +386,28 @@ mod tests {
         let Some(Action::Write { wr_id: w, .. }) = m.poll_action(now) else {
             panic!()
         };
-        assert_eq!(
-            m.poll_action(now),
-            None,
-            "must not sync while a write is outstanding"
-        );
-        m.handle_write_completed(w);
-        assert_eq!(m.poll_freed(), Some(0));
+        // The cache is exhausted: sync at once, without waiting for the write to complete.
         let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
             panic!()
         };
-        m.handle_sync_completed(now, wr_id, &[1]);
+        assert_eq!(
+            m.poll_action(now),
+            None,
+            "no write while the sync is in flight"
+        );
+        // The READ overtook the write and saw the block still empty: it must stay full.
+        m.handle_sync_completed(now, wr_id, &[0]);
+        assert_eq!(m.remote_cache(), &[1]);
+        m.handle_write_completed(w);
+        assert_eq!(m.poll_freed(), Some(0));
+        // Nothing was free: the next sync waits for the backoff.
         assert_eq!(m.poll_action(now), None);
+        let retry = m.poll_timeout().expect("backoff timer");
+        let Some(Action::Sync { wr_id }) = m.poll_action(retry) else {
+            panic!()
+        };
+        m.handle_sync_completed(retry, wr_id, &[1]);
+        assert_eq!(m.poll_action(retry), None);
         let t = m.poll_timeout().expect("backoff timer");
         assert!(matches!(m.poll_action(t), Some(Action::Sync { .. })));
     }

@@ -179,11 +179,11 @@ impl Connector for TcpConnector {
         Ok(Box::new(TcpConnection {
             peer,
             layout,
-            writer: BufWriter::with_capacity(64 * 1024, stream),
+            stream,
+            pending: Vec::with_capacity(2 * SMALL_WRITE),
             blocks: blocks.clone(),
             completions: rx,
             read_buffer,
-            unflushed: false,
         }))
     }
 }
@@ -243,11 +243,12 @@ fn completion_reader(
 pub struct TcpConnection {
     peer: String,
     layout: RemoteLayout,
-    writer: BufWriter<TcpStream>,
+    stream: TcpStream,
+    /// Operation headers and small data not yet written.
+    pending: Vec<u8>,
     blocks: Arc<SendBlocks>,
     completions: Receiver<Event>,
     read_buffer: Arc<Mutex<Vec<u8>>>,
-    unflushed: bool,
 }
 
 impl TcpConnection {
@@ -256,6 +257,15 @@ impl TcpConnection {
             peer: self.peer.clone(),
             reason: reason.to_string(),
         }
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        if !self.pending.is_empty() {
+            let r = self.stream.write_all(&self.pending);
+            self.pending.clear();
+            r.map_err(|e| self.lost(format!("sending: {e}")))?;
+        }
+        Ok(())
     }
 
     fn handle(&mut self, event: Event, out: &mut Vec<Completion>) -> Result<()> {
@@ -271,9 +281,28 @@ impl TcpConnection {
 
 impl Drop for TcpConnection {
     fn drop(&mut self) {
-        let _ = self.writer.flush();
-        let _ = self.writer.get_ref().shutdown(Shutdown::Both);
+        let _ = self.flush();
+        let _ = self.stream.shutdown(Shutdown::Both);
     }
+}
+
+/// Data at least this large is written straight from the send block instead of being batched.
+const SMALL_WRITE: usize = 16 * 1024;
+
+/// Writes `head` then `data` with as few system calls as possible, then empties `head`.
+fn write_both(stream: &mut TcpStream, head: &mut Vec<u8>, data: &[u8]) -> std::io::Result<()> {
+    let (mut h, mut d) = (&head[..], data);
+    while !h.is_empty() || !d.is_empty() {
+        let n = stream.write_vectored(&[std::io::IoSlice::new(h), std::io::IoSlice::new(d)])?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        let from_h = n.min(h.len());
+        h = &h[from_h..];
+        d = &d[n - from_h..];
+    }
+    head.clear();
+    Ok(())
 }
 
 impl Connection for TcpConnection {
@@ -297,16 +326,31 @@ impl Connection for TcpConnection {
                 offset: wr.remote.offset,
                 wr_id,
             };
-            let w = &mut self.writer;
-            let r = w.write_all(&h.encode()).and_then(|_| match wr.source {
-                WriteSource::SendBlock { index, len } => {
-                    self.blocks.read(index, len, |b| w.write_all(b))
+            self.pending.extend_from_slice(&h.encode());
+            let r = match wr.source {
+                // Small data is batched; large data goes out with what is batched in one writev,
+                // straight from the send block (no extra user-space copy).
+                WriteSource::SendBlock { index, len } if len >= SMALL_WRITE => {
+                    let pending = &mut self.pending;
+                    let stream = &mut self.stream;
+                    self.blocks
+                        .read(index, len, |b| write_both(stream, pending, b))
                 }
-                WriteSource::Inline(b) => w.write_all(b),
-            });
+                WriteSource::SendBlock { index, len } => {
+                    self.blocks
+                        .read(index, len, |b| self.pending.extend_from_slice(b));
+                    Ok(())
+                }
+                WriteSource::Inline(b) => {
+                    self.pending.extend_from_slice(b);
+                    Ok(())
+                }
+            };
             r.map_err(|e| self.lost(format!("sending WRITE: {e}")))?;
         }
-        self.unflushed = true;
+        if self.pending.len() >= SMALL_WRITE {
+            self.flush()?;
+        }
         Ok(())
     }
     fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()> {
@@ -318,19 +362,11 @@ impl Connection for TcpConnection {
             offset: remote.offset,
             wr_id,
         };
-        self.writer
-            .write_all(&h.encode())
-            .map_err(|e| self.lost(format!("sending READ: {e}")))?;
-        self.unflushed = true;
+        self.pending.extend_from_slice(&h.encode());
         Ok(())
     }
     fn poll_completions(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<()> {
-        if self.unflushed {
-            self.writer
-                .flush()
-                .map_err(|e| self.lost(format!("sending: {e}")))?;
-            self.unflushed = false;
-        }
+        self.flush()?;
         match self.completions.recv_timeout(timeout) {
             Ok(ev) => self.handle(ev, out)?,
             Err(RecvTimeoutError::Timeout) => return Ok(()),

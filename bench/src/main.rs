@@ -1,0 +1,425 @@
+//! `bench`: figures measured side by side in one run (a command, not a test).
+//!
+//! - `throughput`: block sizes 64 B … 8 MiB through the whole engine (filling thread, sending
+//!   thread, transport, receiver polling) over `mem` and `tcp`, next to a plain TCP loopback copy
+//!   of the same bytes in the same run; prints MB/s and the tcp/plain ratio.
+//! - `cameras`: the demo scenario (12 × 640×480 RGB at 25 fps + 2 radars) with the real `sender`
+//!   and `receiver` processes over `tcp`: CPU % per process and per thread group (the sender's
+//!   filling + sending threads, its sources, the receiver's NIC emulation, polling and writers),
+//!   frame latency p50/p99, drops; plus the receiver's idle polling cost.
+//!
+//! Usage: `cargo run --release -p rdmastream-bench -- [throughput|cameras|all] [--seconds S]`
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use rdmastream::engine::{
+    DropPolicy, FrameSink, ReceiverHandle, ReceiverOptions, SenderHandle, SenderOptions, StreamKey,
+};
+use rdmastream::proto::{StreamEvent, payload_capacity};
+use rdmastream::source::SourceFrame;
+use rdmastream::stats::DeviceCounters;
+use rdmastream::transport::mem::MemFabric;
+use rdmastream::transport::tcp::{TcpConnector, TcpListenerTransport};
+use rdmastream::transport::{Connector, Listener, RegionSettings};
+
+const SIZES: [usize; 10] = [
+    64,
+    256,
+    1024,
+    4096,
+    16384,
+    65536,
+    262144,
+    1 << 20,
+    4 << 20,
+    8 << 20,
+];
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let what = args.first().map(String::as_str).unwrap_or("all");
+    let seconds: f64 = args
+        .iter()
+        .position(|a| a == "--seconds")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1.0);
+    match what {
+        "throughput" => throughput(seconds),
+        "cameras" => cameras(seconds.max(5.0) * 2.0),
+        "all" => {
+            throughput(seconds);
+            cameras(10.0);
+        }
+        other => {
+            eprintln!("usage: bench [throughput|cameras|all] [--seconds S]  (unknown: {other})");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// Counts what arrives.
+#[derive(Default)]
+struct CountingSink {
+    bytes: AtomicU64,
+    frames: AtomicU64,
+}
+
+impl FrameSink for CountingSink {
+    fn handle(&self, _: &StreamKey, _: &Arc<DeviceCounters>, event: StreamEvent) {
+        if let StreamEvent::Frame(f) = event {
+            self.frames.fetch_add(1, Ordering::Relaxed);
+            self.bytes.fetch_add(f.data.len() as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Pushes frames that fill one block each, as fast as the engine takes them, for `secs`;
+/// returns block bytes per second delivered.
+fn engine_rate(
+    block: usize,
+    secs: f64,
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+) -> f64 {
+    let sink = Arc::new(CountingSink::default());
+    let receiver = ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone())
+        .expect("receiver");
+    let opts = SenderOptions {
+        name: "bench".into(),
+        send_blocks: 8,
+        block_size: block,
+        max_outstanding: 8,
+        ..Default::default()
+    };
+    let sender = SenderHandle::start(opts, connector, 8).expect("sender");
+    let input = sender.add_device(0, DropPolicy::Block);
+    let len = payload_capacity(block);
+    let format: Arc<str> = "application/octet-stream".into();
+    let stop = Arc::new(AtomicBool::new(false));
+    let source = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut index = 0;
+            // One buffer handed out again and again: the source costs nothing.
+            let data = rdmastream::bytes::Bytes::from(vec![0u8; len]);
+            while !stop.load(Ordering::Relaxed) {
+                let f = SourceFrame {
+                    index,
+                    timestamp_ns: 0,
+                    duration_ns: 0,
+                    format: format.clone(),
+                    data: data.clone(),
+                };
+                if !input.push(f) {
+                    break;
+                }
+                index += 1;
+            }
+            input.end();
+        })
+    };
+    // Warm up, then measure delivered frames over the window.
+    std::thread::sleep(Duration::from_millis(200));
+    let (f0, t0) = (sink.frames.load(Ordering::Relaxed), Instant::now());
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let (f1, t1) = (sink.frames.load(Ordering::Relaxed), Instant::now());
+    stop.store(true, Ordering::Relaxed);
+    source.join().unwrap();
+    let _ = sender.finish(Duration::from_secs(10));
+    receiver.stop();
+    (f1 - f0) as f64 * block as f64 / (t1 - t0).as_secs_f64()
+}
+
+/// Plain TCP loopback copy of `block`-byte messages for `secs`; bytes per second.
+fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.set_nodelay(true).unwrap();
+            let buf = vec![7u8; block];
+            while !stop.load(Ordering::Relaxed) {
+                if s.write_all(&buf).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    let (mut r, _) = listener.accept().unwrap();
+    let mut buf = vec![0u8; block];
+    let mut total = 0u64;
+    let warm = Instant::now() + Duration::from_millis(200);
+    let mut start: Option<(Instant, u64)> = None;
+    let end = warm + Duration::from_secs_f64(secs);
+    loop {
+        r.read_exact(&mut buf).unwrap();
+        total += block as u64;
+        let now = Instant::now();
+        if start.is_none() && now >= warm {
+            start = Some((now, total));
+        }
+        if now >= end {
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    drop(r);
+    let _ = writer.join();
+    let (t0, b0) = start.unwrap();
+    (total - b0) as f64 / t0.elapsed().as_secs_f64()
+}
+
+fn region(block: usize) -> RegionSettings {
+    let blocks = std::env::var("BENCH_BLOCKS")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(16);
+    RegionSettings {
+        blocks,
+        block_size: block,
+        token: String::new(),
+        reserved_blocks: vec![],
+    }
+}
+
+fn human(n: usize) -> String {
+    match n {
+        n if n >= 1 << 20 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
+
+fn throughput(secs: f64) {
+    println!(
+        "== throughput: whole engine, one device, block-sized frames, {secs:.1} s per point =="
+    );
+    println!(
+        "{:>8} {:>12} {:>12} {:>14} {:>10}",
+        "block", "mem MB/s", "tcp MB/s", "plain TCP MB/s", "tcp/plain"
+    );
+    let only: Option<usize> = std::env::args()
+        .skip_while(|a| a != "--block")
+        .nth(1)
+        .and_then(|b| b.parse().ok());
+    for block in SIZES.into_iter().filter(|b| only.is_none_or(|o| o == *b)) {
+        let fabric = MemFabric::new();
+        let mem = engine_rate(
+            block,
+            secs,
+            Box::new(fabric.listen("bench", region(block))),
+            Box::new(fabric.connector("bench")),
+        );
+        let l = TcpListenerTransport::bind("127.0.0.1:0", region(block)).unwrap();
+        let addr = l.local_addr();
+        let tcp = engine_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
+        let plain = plain_tcp_rate(block, secs);
+        println!(
+            "{:>8} {:>12.1} {:>12.1} {:>14.1} {:>9.0}%",
+            human(block),
+            mem / 1e6,
+            tcp / 1e6,
+            plain / 1e6,
+            100.0 * tcp / plain
+        );
+    }
+}
+
+/// CPU ticks (utime + stime) per thread name of process `pid`.
+fn thread_ticks(pid: u32) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for t in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_string();
+        let fields: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+        let ticks: u64 = fields
+            .get(11)
+            .and_then(|u| u.parse::<u64>().ok())
+            .unwrap_or(0)
+            + fields
+                .get(12)
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(0);
+        *out.entry(name).or_insert(0) += ticks;
+    }
+    out
+}
+
+fn group(name: &str) -> &'static str {
+    match name {
+        n if n.starts_with("filling") || n.starts_with("sending") => "filling+sending",
+        n if n.starts_with("source") => "sources",
+        n if n.starts_with("tcp-nic") => "tcp NIC emulation",
+        n if n.starts_with("poll") => "status polling",
+        n if n.starts_with("writer") => "file writers",
+        n if n.starts_with("tcp-compl") => "completions",
+        _ => "other",
+    }
+}
+
+fn cpu_by_group(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+    secs: f64,
+) -> BTreeMap<&'static str, f64> {
+    let hz = 100.0; // USER_HZ on Linux
+    let mut out = BTreeMap::new();
+    for (name, t) in after {
+        let d = t - before.get(name).copied().unwrap_or(0);
+        *out.entry(group(name)).or_insert(0.0) += d as f64 / hz / secs * 100.0;
+    }
+    out
+}
+
+fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().join(name)
+}
+
+fn cameras(secs: f64) {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let out = tmp.path().join("out");
+    let rx_cfg = tmp.path().join("receiver.toml");
+    std::fs::write(
+        &rx_cfg,
+        "blocks = 16\nblock_size = 1048576\nformat = \"raw\"\nkeep = 20\n",
+    )
+    .unwrap();
+    let tx_cfg = tmp.path().join("sender.toml");
+    std::fs::write(
+        &tx_cfg,
+        format!(
+            "name = \"bench\"\nreceiver = \"127.0.0.1:{port}\"\ntransport = \"tcp\"\n\
+             [[device]]\nid = 0\ncount = 12\nsource = \"camera-synthetic\"\n\
+             [[device]]\nid = 100\ncount = 2\nsource = \"radar-synthetic\"\n"
+        ),
+    )
+    .unwrap();
+    println!(
+        "\n== cameras: 12 x 640x480 RGB @ 25 fps + 2 radars (64 KiB @ 20 Hz), sender and receiver processes over tcp, {secs:.0} s =="
+    );
+    let (sender_bin, receiver_bin) = (bin("sender"), bin("receiver"));
+    if !sender_bin.exists() || !receiver_bin.exists() {
+        eprintln!("build the binaries first: cargo build --release");
+        std::process::exit(1);
+    }
+    let rx_log = tmp.path().join("rx.log");
+    let tx_log = tmp.path().join("tx.log");
+    let log = |p: &Path| std::fs::File::create(p).unwrap();
+    let listen = format!("127.0.0.1:{port}");
+    let mut rx = Command::new(&receiver_bin)
+        .args([
+            "--config",
+            rx_cfg.to_str().unwrap(),
+            "--listen",
+            &listen,
+            "--out",
+            out.to_str().unwrap(),
+            "--verify",
+            "--exit-after-eos",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log(&rx_log))
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let rx_idle0 = thread_ticks(rx.id());
+    std::thread::sleep(Duration::from_secs(2));
+    let rx_idle1 = thread_ticks(rx.id());
+    let mut tx = Command::new(&sender_bin)
+        .args([
+            "--config",
+            tx_cfg.to_str().unwrap(),
+            "--duration",
+            &format!("{secs}"),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log(&tx_log))
+        .spawn()
+        .unwrap();
+    // Measure the middle of the run.
+    std::thread::sleep(Duration::from_secs_f64(1.5));
+    let window = (secs - 3.0).max(2.0);
+    let (tx0, rx0, t0) = (thread_ticks(tx.id()), thread_ticks(rx.id()), Instant::now());
+    std::thread::sleep(Duration::from_secs_f64(window));
+    let (tx1, rx1, el) = (
+        thread_ticks(tx.id()),
+        thread_ticks(rx.id()),
+        t0.elapsed().as_secs_f64(),
+    );
+    let tx_status = tx.wait().unwrap();
+    let rx_status = rx.wait().unwrap();
+    let tx_cpu = cpu_by_group(&tx0, &tx1, el);
+    let rx_cpu = cpu_by_group(&rx0, &rx1, el);
+    let idle = cpu_by_group(&rx_idle0, &rx_idle1, 2.0);
+    let tx_text = std::fs::read_to_string(&tx_log).unwrap_or_default();
+    let rx_text = std::fs::read_to_string(&rx_log).unwrap_or_default();
+    let total = |m: &BTreeMap<&str, f64>| m.values().sum::<f64>();
+    println!("sender exit {tx_status}, receiver exit {rx_status}");
+    println!(
+        "sender CPU   {:6.1} % of one core: {:?}",
+        total(&tx_cpu),
+        fmt(&tx_cpu)
+    );
+    println!(
+        "  filling + sending threads: {:.1} % (target < 25 %; the paper reports 106 % for its whole sender)",
+        tx_cpu.get("filling+sending").copied().unwrap_or(0.0)
+    );
+    println!(
+        "receiver CPU {:6.1} % of one core: {:?}",
+        total(&rx_cpu),
+        fmt(&rx_cpu)
+    );
+    println!(
+        "receiver idle (listening, no sender): {:.2} % of one core",
+        total(&idle)
+    );
+    for line in tx_text.lines().filter(|l| l.contains("done after")) {
+        println!("sender:   {}", after_level(line));
+    }
+    for line in rx_text
+        .lines()
+        .filter(|l| l.contains("summary:") || l.contains("verify"))
+    {
+        println!("receiver: {}", after_level(line));
+    }
+}
+
+fn fmt(m: &BTreeMap<&str, f64>) -> BTreeMap<String, String> {
+    m.iter()
+        .map(|(k, v)| (k.to_string(), format!("{v:.1}%")))
+        .collect()
+}
+
+fn after_level(line: &str) -> &str {
+    line.find(" INFO ")
+        .map(|i| &line[i + 6..])
+        .or_else(|| line.find("INFO").map(|i| &line[i + 4..]))
+        .unwrap_or(line)
+        .trim()
+}
