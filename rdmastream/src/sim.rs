@@ -243,7 +243,8 @@ pub fn run(cfg: &SimConfig, limit: Duration) -> SimReport {
         .map(|d| DeviceNumbering::starting_at(d.first_packet, 0))
         .collect();
     // The message being filled: fragments left (index, header), payload.
-    let mut filling: Option<(VecDeque<(usize, BlockHeader)>, Vec<u8>)> = None;
+    type Fragments = VecDeque<(usize, BlockHeader)>;
+    let mut filling: Option<(Fragments, Vec<u8>)> = None;
     let mut rr_device = 0usize;
 
     let mut report = SimReport::default();

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The demo: a receiver and a sender on this machine over the built-in software transport (tcp),
+# streaming 12 synthetic 640x480 RGB cameras at 25 fps and 2 synthetic radars for DURATION
+# seconds (default 20) with the shipped configs/sender.toml and configs/receiver.toml. Both print
+# a status line each second; the receiver checks every frame against the reference pattern.
+# Frames land in out/edge-1/device-<ddd>/ (the newest 50 per device are kept).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DURATION="${DURATION:-20}"
+OUT="${OUT:-out}"
+
+scripts/setup.sh
+cargo build --release --quiet -p rdmastream-sender -p rdmastream-receiver
+
+rm -rf "$OUT"
+echo "== receiver: listening on 127.0.0.1:7471, writing to $OUT/"
+./target/release/receiver --out "$OUT" --verify --exit-after-eos &
+receiver=$!
+trap 'kill $receiver 2>/dev/null || true' EXIT
+sleep 0.5
+echo "== sender: 12 cameras + 2 radars for ${DURATION}s"
+./target/release/sender --duration "$DURATION"
+wait $receiver
+trap - EXIT
+echo
+echo "== frames written (newest kept per device):"
+for d in "$OUT"/edge-1/device-*; do
+  printf '  %s: %s files, newest %s\n' "$d" "$(ls "$d" | wc -l)" "$(ls "$d" | tail -1)"
+done
+echo "Look at one: $(ls "$OUT"/edge-1/device-000/*.ppm | tail -1) (a PPM image; radar frames are raw bytes)"
