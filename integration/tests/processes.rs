@@ -239,3 +239,27 @@ fn bad_config_names_file_key_and_reason() {
         );
     }
 }
+
+/// With no receiver, a sender asked to stop still stops (bounded flush) and says why it failed,
+/// naming the receiver.
+#[test]
+fn sender_without_receiver_stops_and_names_the_peer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let log = tmp.path().join("tx.log");
+    let peer = format!("127.0.0.1:{port}");
+    let mut tx = spawn(
+        &bin("sender"),
+        &["--receiver", &peer, "--duration", "1"],
+        &log,
+    );
+    let code = wait(&mut tx, Duration::from_secs(60), "sender", &log);
+    assert_eq!(code, 1, "{}", tail(&log));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains(&format!("cannot connect to receiver {peer}")),
+        "{}",
+        tail(&log)
+    );
+    assert!(text.contains("could not be delivered"), "{}", tail(&log));
+}

@@ -315,7 +315,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         ..Default::default()
     };
     tracing::info!(
-        "sender '{}' → {} ({}): {} devices, {} send blocks of {} bytes",
+        "sender '{}' -> {} ({}): {} devices, {} send blocks of {} bytes",
         cfg.name,
         cfg.receiver,
         cfg.transport,

@@ -107,9 +107,32 @@ impl DeviceInput {
         }
     }
 
-    /// Ends the device's stream: the receiver gets end-of-stream after the queued frames.
+    /// Ends the device's stream: the receiver gets end-of-stream after the queued frames. Never
+    /// waits long: under `drop-oldest` it drops a queued frame to make room; under `block` it
+    /// waits up to a second (then the stream still ends once every clone of this input is
+    /// dropped, after the queued frames).
     pub fn end(&self) {
-        let _ = self.tx.send(Msg::End);
+        let mut msg = Msg::End;
+        loop {
+            match self.tx.try_send(msg) {
+                Ok(()) | Err(TrySendError::Disconnected(_)) => return,
+                Err(TrySendError::Full(m)) if self.policy == DropPolicy::DropOldest => {
+                    msg = m;
+                    if let Ok(Msg::Frame(_)) = self.rx.try_recv() {
+                        self.counters.drops.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                Err(TrySendError::Full(m)) => {
+                    if self.tx.send_timeout(m, Duration::from_secs(1)).is_err() {
+                        tracing::warn!(
+                            device = self.device,
+                            "queue still full after 1 s; ending the stream when the input is dropped"
+                        );
+                    }
+                    return;
+                }
+            }
+        }
     }
 }
 
