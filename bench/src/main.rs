@@ -21,12 +21,15 @@ use std::time::{Duration, Instant};
 use rdmastream::engine::{
     DropPolicy, FrameSink, ReceiverHandle, ReceiverOptions, SenderHandle, SenderOptions, StreamKey,
 };
+use rdmastream::proto::handshake::{DataPath, Hello, PROTOCOL_VERSION, QpInfo};
+use rdmastream::proto::{Action, BlockScanner, SenderMachine, status};
 use rdmastream::proto::{StreamEvent, payload_capacity};
 use rdmastream::source::SourceFrame;
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{TcpConnector, TcpListenerTransport};
 use rdmastream::transport::{Connector, Listener, RegionSettings};
+use rdmastream::transport::{RemoteAddr, SendBlocks, Target, WriteSource, WriteWr};
 
 const SIZES: [usize; 10] = [
     64,
@@ -105,25 +108,28 @@ fn engine_rate(
     let stop = Arc::new(AtomicBool::new(false));
     let source = {
         let stop = stop.clone();
-        std::thread::spawn(move || {
-            let mut index = 0;
-            // One buffer handed out again and again: the source costs nothing.
-            let data = rdmastream::bytes::Bytes::from(vec![0u8; len]);
-            while !stop.load(Ordering::Relaxed) {
-                let f = SourceFrame {
-                    index,
-                    timestamp_ns: 0,
-                    duration_ns: 0,
-                    format: format.clone(),
-                    data: data.clone(),
-                };
-                if !input.push(f) {
-                    break;
+        std::thread::Builder::new()
+            .name("bench-source".into())
+            .spawn(move || {
+                let mut index = 0;
+                // One buffer handed out again and again: the source costs nothing.
+                let data = rdmastream::bytes::Bytes::from(vec![0u8; len]);
+                while !stop.load(Ordering::Relaxed) {
+                    let f = SourceFrame {
+                        index,
+                        timestamp_ns: 0,
+                        duration_ns: 0,
+                        format: format.clone(),
+                        data: data.clone(),
+                    };
+                    if !input.push(f) {
+                        break;
+                    }
+                    index += 1;
                 }
-                index += 1;
-            }
-            input.end();
-        })
+                input.end();
+            })
+            .unwrap()
     };
     // Warm up, then measure delivered frames over the window.
     std::thread::sleep(Duration::from_millis(200));
@@ -135,6 +141,143 @@ fn engine_rate(
     let _ = sender.finish(Duration::from_secs(10));
     receiver.stop();
     (f1 - f0) as f64 * block as f64 / (t1 - t0).as_secs_f64()
+}
+
+/// The transport alone: the sending-thread loop ([`SenderMachine`] + one [`Connection`]) posting
+/// pre-filled send blocks (no filling copy, no seal), and a receiver thread that polls the status
+/// bytes, reads each block's first bytes and frees it (no validation, no copy-out). Bytes per second.
+fn transport_rate(
+    block: usize,
+    secs: f64,
+    mut listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+) -> f64 {
+    let blocks = SendBlocks::new(8, block);
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        sender: "bench".into(),
+        token: String::new(),
+        session: 1,
+        data_path: DataPath::Tcp,
+        qp: QpInfo::default(),
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let received = Arc::new(AtomicU64::new(0));
+    let rx = {
+        let (stop, received) = (stop.clone(), received.clone());
+        std::thread::spawn(move || {
+            let acc = loop {
+                if let Some(a) = listener.accept(Duration::from_millis(50)).unwrap() {
+                    break a;
+                }
+            };
+            let n = acc.region.layout().blocks;
+            let mut scanner = BlockScanner::default();
+            // The engine's idle policy: sleep 20 µs, doubling to 500 µs.
+            let mut idle = Duration::from_micros(20);
+            while !stop.load(Ordering::Relaxed) {
+                match scanner.next_full(n, |j| acc.region.status(j)) {
+                    Some(j) => {
+                        let mut first = 0u8;
+                        acc.region.read_block(j, &mut |b| first = b[0]);
+                        std::hint::black_box(first);
+                        acc.region.set_status(j, status::EMPTY);
+                        received.fetch_add(1, Ordering::Relaxed);
+                        idle = Duration::from_micros(20);
+                    }
+                    None => {
+                        std::thread::sleep(idle);
+                        idle = (idle * 2).min(Duration::from_micros(500));
+                    }
+                }
+            }
+        })
+    };
+    let mut conn = connector.connect(&hello, &blocks).expect("connect");
+    let mut m = SenderMachine::new(8);
+    m.handle_connected(conn.layout());
+    for i in 0..8 {
+        m.handle_filled(i, block);
+    }
+    let mut done = Vec::new();
+    let (mut t0, mut r0) = (None, 0);
+    let start = Instant::now();
+    let warm = start + Duration::from_millis(200);
+    let end = warm + Duration::from_secs_f64(secs);
+    loop {
+        let now = Instant::now();
+        if t0.is_none() && now >= warm {
+            t0 = Some(now);
+            r0 = received.load(Ordering::Relaxed);
+        }
+        if now >= end {
+            break;
+        }
+        while let Some(a) = m.poll_action(now) {
+            match a {
+                Action::Write {
+                    wr_id,
+                    send_block,
+                    remote_block,
+                    len,
+                } => {
+                    let chain = [
+                        WriteWr {
+                            source: WriteSource::SendBlock {
+                                index: send_block,
+                                len,
+                            },
+                            remote: RemoteAddr {
+                                target: Target::Blocks,
+                                offset: (remote_block * block) as u64,
+                            },
+                            signaled: false,
+                        },
+                        WriteWr {
+                            source: WriteSource::Inline(&[status::FULL]),
+                            remote: RemoteAddr {
+                                target: Target::Statuses,
+                                offset: remote_block as u64,
+                            },
+                            signaled: true,
+                        },
+                    ];
+                    conn.post_write_chain(wr_id, &chain).unwrap();
+                }
+                Action::Sync { wr_id } => {
+                    let n = conn.layout().blocks;
+                    conn.post_read(
+                        wr_id,
+                        RemoteAddr {
+                            target: Target::Statuses,
+                            offset: 0,
+                        },
+                        n,
+                    )
+                    .unwrap();
+                }
+            }
+        }
+        done.clear();
+        conn.poll_completions(&mut done, Duration::from_millis(1))
+            .unwrap();
+        for c in &done {
+            if !m.handle_write_completed(c.wr_id) {
+                let st = conn.read_buffer();
+                m.handle_sync_completed(Instant::now(), c.wr_id, &st);
+            }
+        }
+        // "Refill" instantly: the block's bytes are already there.
+        while let Some(i) = m.poll_freed() {
+            m.handle_filled(i, block);
+        }
+    }
+    let r1 = received.load(Ordering::Relaxed);
+    let el = t0.map(|t| t.elapsed().as_secs_f64()).unwrap_or(1.0);
+    stop.store(true, Ordering::Relaxed);
+    drop(conn);
+    rx.join().unwrap();
+    (r1 - r0) as f64 * block as f64 / el
 }
 
 /// Plain TCP loopback copy of `block`-byte messages for `secs`; bytes per second.
@@ -201,17 +344,28 @@ fn human(n: usize) -> String {
 }
 
 fn throughput(secs: f64) {
+    println!("== throughput, {secs:.1} s per point, one run; MB/s of block bytes moved ==");
     println!(
-        "== throughput: whole engine, one device, block-sized frames, {secs:.1} s per point =="
+        "   engine: source -> filling thread (copy + seal) -> sending thread -> transport -> polling (validate + copy out)"
     );
     println!(
-        "{:>8} {:>12} {:>12} {:>14} {:>10}",
-        "block", "mem MB/s", "tcp MB/s", "plain TCP MB/s", "tcp/plain"
+        "   transport: sending-thread loop over pre-filled blocks -> transport -> polling that frees each block"
+    );
+    println!(
+        "{:>8} {:>11} {:>11} {:>14} {:>11} {:>16} {:>13}",
+        "block",
+        "engine mem",
+        "engine tcp",
+        "transport tcp",
+        "plain TCP",
+        "transport/plain",
+        "engine/plain"
     );
     let only: Option<usize> = std::env::args()
         .skip_while(|a| a != "--block")
         .nth(1)
         .and_then(|b| b.parse().ok());
+    let only_tcp = std::env::var("BENCH_ONLY_TCP").is_ok();
     for block in SIZES.into_iter().filter(|b| only.is_none_or(|o| o == *b)) {
         let fabric = MemFabric::new();
         let mem = engine_rate(
@@ -223,13 +377,22 @@ fn throughput(secs: f64) {
         let l = TcpListenerTransport::bind("127.0.0.1:0", region(block)).unwrap();
         let addr = l.local_addr();
         let tcp = engine_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
-        let plain = plain_tcp_rate(block, secs);
+        let l = TcpListenerTransport::bind("127.0.0.1:0", region(block)).unwrap();
+        let addr = l.local_addr();
+        let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
+        let plain = if only_tcp {
+            1.0
+        } else {
+            plain_tcp_rate(block, secs)
+        };
         println!(
-            "{:>8} {:>12.1} {:>12.1} {:>14.1} {:>9.0}%",
+            "{:>8} {:>11.1} {:>11.1} {:>14.1} {:>11.1} {:>14.0}% {:>12.0}%",
             human(block),
             mem / 1e6,
             tcp / 1e6,
+            transport / 1e6,
             plain / 1e6,
+            100.0 * transport / plain,
             100.0 * tcp / plain
         );
     }
@@ -408,6 +571,58 @@ fn cameras(secs: f64) {
     {
         println!("receiver: {}", after_level(line));
     }
+    idle_polling(&receiver_bin, &sender_bin, tmp.path());
+}
+
+/// CPU of the receiver's polling thread while a sender is connected but sends almost nothing
+/// (one 1 KiB radar frame a second): the cost of sleeping briefly between idle status scans.
+fn idle_polling(receiver_bin: &Path, sender_bin: &Path, dir: &Path) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tx_cfg = dir.join("idle-sender.toml");
+    std::fs::write(
+        &tx_cfg,
+        format!("name = \"idle\"\nreceiver = \"127.0.0.1:{port}\"\ntransport = \"tcp\"\n[[device]]\nid = 0\nsource = \"radar-synthetic\"\nsize = 1024\nrate = 1\n"),
+    )
+    .unwrap();
+    let listen = format!("127.0.0.1:{port}");
+    let out = dir.join("idle-out");
+    let mut rx = Command::new(receiver_bin)
+        .args([
+            "--listen",
+            &listen,
+            "--out",
+            out.to_str().unwrap(),
+            "--exit-after-eos",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut tx = Command::new(sender_bin)
+        .args(["--config", tx_cfg.to_str().unwrap(), "--duration", "5"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let (a, t) = (thread_ticks(rx.id()), Instant::now());
+    std::thread::sleep(Duration::from_secs(3));
+    let (b, el) = (thread_ticks(rx.id()), t.elapsed().as_secs_f64());
+    let _ = tx.wait();
+    let _ = rx.wait();
+    let cpu = cpu_by_group(&a, &b, el);
+    println!(
+        "receiver with a connected, idle sender (poll sleeps 20 us doubling to 500 us): status polling {:.2} %, whole receiver {:.2} % of one core",
+        cpu.get("status polling").copied().unwrap_or(0.0),
+        cpu.values().sum::<f64>()
+    );
 }
 
 fn fmt(m: &BTreeMap<&str, f64>) -> BTreeMap<String, String> {

@@ -2,8 +2,10 @@
 //! protocol core ([`proto`]), the transports that carry it ([`transport`]), the threads that
 //! drive it ([`engine`]), and the sources and sinks of frames ([`source`], [`sink`]).
 //!
-//! It deliberately does not parse config files or own a command line: the `sender` and
-//! `receiver` binaries (and the GStreamer plugin) do that and wire these pieces together.
+//! It deliberately does not define the config files or own a command line: the `sender` and
+//! `receiver` binaries do that and wire these pieces together ([`app`] holds the few helpers they
+//! share: TOML loading with file/key errors, logging, the status-line clock). It does not talk to
+//! RDMA hardware yet: the verbs transport is the next step.
 #![deny(unsafe_code)]
 
 pub mod error;
