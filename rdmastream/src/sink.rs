@@ -20,7 +20,7 @@ use crate::engine::{FrameSink, StreamKey};
 use crate::error::{Error, Result, spawn};
 use crate::proto::{Format, Frame, StreamEvent};
 use crate::source::verify_frame;
-use crate::stats::DeviceCounters;
+use crate::stats::{self, DeviceCounters};
 
 /// File format of written frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -289,4 +289,111 @@ fn write_frame(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stats::DeviceCounters;
+
+    fn sink(out: &Path, format: FileFormat, keep: Option<usize>) -> DirectorySink {
+        DirectorySink::new(DirectorySinkOptions {
+            out: out.to_path_buf(),
+            default: DeviceOutput { format, keep },
+            devices: HashMap::new(),
+            verify: true,
+            writers: 1,
+            queue: 4,
+        })
+        .unwrap()
+    }
+
+    fn feed(s: &DirectorySink, key: &StreamKey, counters: &Arc<DeviceCounters>, frames: u64) {
+        let fmt = Format::rgb_video(8, 4, 25, 1)
+            .with("pattern", "camera-synthetic")
+            .to_string();
+        s.handle(
+            key,
+            counters,
+            StreamEvent::Format {
+                frame_index: 0,
+                descriptor: fmt.into_bytes(),
+            },
+        );
+        for f in 0..frames {
+            let mut data = vec![0; 8 * 4 * 3];
+            crate::source::camera_pattern(key.device, f, 8, 4, &mut data);
+            s.handle(
+                key,
+                counters,
+                StreamEvent::Frame(Frame {
+                    device: key.device,
+                    index: f,
+                    timestamp_ns: 0,
+                    duration_ns: 0,
+                    data,
+                }),
+            );
+        }
+        s.flush();
+    }
+
+    #[test]
+    fn ppm_and_png_decode_back_to_the_frame_and_retention_keeps_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = StreamKey {
+            sender: "s".into(),
+            device: 2,
+        };
+        let counters = Arc::new(DeviceCounters::default());
+        for (format, ext) in [(FileFormat::Ppm, "ppm"), (FileFormat::Png, "png")] {
+            let out = dir.path().join(ext);
+            let s = sink(&out, format, Some(3));
+            feed(&s, &key, &counters, 10);
+            let mut names: Vec<String> = std::fs::read_dir(out.join("s/device-002"))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            assert_eq!(
+                names,
+                vec![
+                    format!("00000007.{ext}"),
+                    format!("00000008.{ext}"),
+                    format!("00000009.{ext}")
+                ]
+            );
+            let img = image::open(out.join(format!("s/device-002/00000009.{ext}")))
+                .unwrap()
+                .to_rgb8();
+            let mut want = vec![0; 8 * 4 * 3];
+            crate::source::camera_pattern(2, 9, 8, 4, &mut want);
+            assert_eq!(img.into_raw(), want);
+        }
+        assert_eq!(stats::get(&counters.verified), 20);
+        assert_eq!(stats::get(&counters.mismatched), 0);
+    }
+
+    #[test]
+    fn a_killed_writers_temporaries_are_cleaned_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let dev = dir.path().join("s/device-002");
+        std::fs::create_dir_all(&dev).unwrap();
+        std::fs::write(dev.join(".00000003.raw.tmp"), b"partial").unwrap();
+        let s = sink(dir.path(), FileFormat::Raw, None);
+        feed(
+            &s,
+            &StreamKey {
+                sender: "s".into(),
+                device: 2,
+            },
+            &Arc::new(DeviceCounters::default()),
+            1,
+        );
+        let names: Vec<_> = std::fs::read_dir(&dev)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("00000000.raw")]);
+    }
 }

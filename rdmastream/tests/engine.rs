@@ -153,3 +153,269 @@ fn tcp_transport_delivers_every_frame_verified_with_a_retained_block() {
         60,
     );
 }
+
+/// Collects events per stream, for tests.
+#[derive(Default)]
+struct Collect {
+    frames: std::sync::Mutex<Vec<(String, u8, u64, usize)>>,
+}
+
+impl rdmastream::engine::FrameSink for Collect {
+    fn handle(
+        &self,
+        key: &rdmastream::engine::StreamKey,
+        _: &Arc<rdmastream::stats::DeviceCounters>,
+        event: rdmastream::proto::StreamEvent,
+    ) {
+        if let rdmastream::proto::StreamEvent::Frame(f) = event {
+            self.frames.lock().unwrap().push((
+                key.sender.clone(),
+                key.device,
+                f.index,
+                f.data.len(),
+            ));
+        }
+    }
+}
+
+fn stream_frames(
+    sender: &SenderHandle,
+    device: u8,
+    kind: SourceKind,
+    frames: u64,
+) -> std::thread::JoinHandle<()> {
+    let input = sender.add_device(device, DropPolicy::Block);
+    let producer = Producer::new(device, &kind).unwrap();
+    std::thread::spawn(move || {
+        producer.run(&AtomicBool::new(false), Some(frames), |f| input.push(f));
+        input.end();
+    })
+}
+
+#[test]
+fn two_senders_into_one_receiver_each_get_their_own_region_and_output() {
+    let listener = TcpListenerTransport::bind("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let sink = Arc::new(Collect::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let mut senders = Vec::new();
+    for name in ["edge-a", "edge-b"] {
+        let opts = SenderOptions {
+            name: name.into(),
+            token: "t0k".into(),
+            send_blocks: 3,
+            block_size: 8192,
+            ..Default::default()
+        };
+        let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr.clone())), 4).unwrap();
+        // Same device number on both senders: output must stay apart.
+        let t = stream_frames(
+            &s,
+            7,
+            SourceKind::RadarSynthetic {
+                size: 20_000,
+                rate: 1000.0,
+            },
+            40,
+        );
+        senders.push((s, t));
+    }
+    for (s, t) in senders {
+        t.join().unwrap();
+        assert_eq!(s.finish(Duration::from_secs(20)).unwrap().unsent, 0);
+    }
+    assert!(wait_until(Duration::from_secs(20), || receiver.all_senders_ended()));
+    receiver.stop();
+    let frames = sink.frames.lock().unwrap();
+    for name in ["edge-a", "edge-b"] {
+        let idx: Vec<u64> = frames
+            .iter()
+            .filter(|f| f.0 == name && f.1 == 7)
+            .map(|f| f.2)
+            .collect();
+        assert_eq!(idx, (0..40).collect::<Vec<_>>(), "{name}");
+    }
+}
+
+#[test]
+fn wrong_token_is_refused_with_the_reason() {
+    let listener = TcpListenerTransport::bind("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let _receiver = ReceiverHandle::start(
+        ReceiverOptions::default(),
+        Box::new(listener),
+        Arc::new(Collect::default()),
+    )
+    .unwrap();
+    let opts = SenderOptions {
+        name: "intruder".into(),
+        token: "wrong".into(),
+        block_size: 8192,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr.clone())), 4).unwrap();
+    let input = s.add_device(0, DropPolicy::DropOldest);
+    input.end();
+    drop(input);
+    let err = s.finish(Duration::from_secs(10)).unwrap_err().to_string();
+    assert!(
+        err.contains("refused") && err.contains("auth token") && err.contains(&addr),
+        "{err}"
+    );
+}
+
+#[test]
+fn images_source_streams_the_shipped_assets() {
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 1 << 16, vec![]));
+    let sink = Arc::new(Collect::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "img".into(),
+        token: "t0k".into(),
+        block_size: 1 << 16,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets");
+    let t = stream_frames(
+        &s,
+        1,
+        SourceKind::Images {
+            dir,
+            width: 64,
+            height: 48,
+            fps: 500.0,
+        },
+        6,
+    );
+    t.join().unwrap();
+    s.finish(Duration::from_secs(10)).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    receiver.stop();
+    let frames = sink.frames.lock().unwrap();
+    assert_eq!(frames.len(), 6);
+    assert!(frames.iter().all(|f| f.3 == 64 * 48 * 3));
+    let missing = Producer::new(
+        0,
+        &SourceKind::Images {
+            dir: "/nonexistent-dir".into(),
+            width: 8,
+            height: 8,
+            fps: 1.0,
+        },
+    );
+    assert!(
+        missing
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("/nonexistent-dir")
+    );
+}
+
+/// A block that fails validation (here: garbage with status 1, as a buggy or hostile peer could
+/// leave) is counted per kind, freed, and the receiver carries on.
+#[test]
+fn invalid_blocks_are_counted_freed_and_survived() {
+    use rdmastream::transport::{
+        Connection, Connector, RemoteAddr, SendBlocks, Target, WriteSource, WriteWr,
+    };
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 256, vec![]));
+    let sink = Arc::new(Collect::default());
+    let receiver = ReceiverHandle::start(
+        ReceiverOptions {
+            max_device: 10,
+            ..Default::default()
+        },
+        Box::new(listener),
+        sink,
+    )
+    .unwrap();
+    let blocks = SendBlocks::new(1, 256);
+    blocks.fill(0, |b| b.fill(0xAB));
+    let hello = rdmastream::proto::handshake::Hello {
+        version: rdmastream::proto::handshake::PROTOCOL_VERSION,
+        sender: "evil".into(),
+        token: "t0k".into(),
+        session: 9,
+        data_path: rdmastream::proto::handshake::DataPath::Tcp,
+        qp: Default::default(),
+    };
+    let mut conn = fabric.connector("rx").connect(&hello, &blocks).unwrap();
+    // A well-formed block for device 200 (> max_device 10), then garbage, into blocks 0 and 1.
+    let h = rdmastream::proto::BlockHeader {
+        device: 200,
+        packet: 0,
+        flags: 0,
+        fragment_index: 0,
+        fragment_count: 1,
+        payload_len: 3,
+        frame_index: 0,
+        timestamp_ns: 0,
+        message_len: 3,
+        duration_ns: 0,
+    };
+    let valid_elsewhere = SendBlocks::new(1, 256);
+    let used = valid_elsewhere.fill(0, |b| h.encode_block(b"abc", b));
+    for (j, (src, len)) in [(&valid_elsewhere, used), (&blocks, 256)]
+        .into_iter()
+        .enumerate()
+    {
+        let data: Vec<u8> = src.read(0, len, |b| b.to_vec());
+        let chain = [
+            WriteWr {
+                source: WriteSource::Inline(&data),
+                remote: RemoteAddr {
+                    target: Target::Blocks,
+                    offset: (j * 256) as u64,
+                },
+                signaled: false,
+            },
+            WriteWr {
+                source: WriteSource::Inline(&[status::FULL]),
+                remote: RemoteAddr {
+                    target: Target::Statuses,
+                    offset: j as u64,
+                },
+                signaled: true,
+            },
+        ];
+        conn.post_write_chain(j as u64, &chain).unwrap();
+    }
+    assert!(wait_until(Duration::from_secs(5), || receiver
+        .invalid()
+        .total()
+        == 2));
+    let kinds = receiver.invalid().all();
+    assert_eq!(
+        kinds.get(&rdmastream::proto::BlockError::DeviceOutOfRange),
+        Some(&1),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.get(&rdmastream::proto::BlockError::BadVersion),
+        Some(&1),
+        "{kinds:?}"
+    );
+    // Both blocks were freed: a sync sees them empty again.
+    conn.post_read(
+        9,
+        RemoteAddr {
+            target: Target::Statuses,
+            offset: 0,
+        },
+        4,
+    )
+    .unwrap();
+    let mut done = Vec::new();
+    conn.poll_completions(&mut done, Duration::ZERO).unwrap();
+    assert_eq!(conn.read_buffer(), vec![0, 0, 0, 0]);
+    drop(conn);
+    receiver.stop();
+}
