@@ -20,7 +20,7 @@ use crate::engine::{FrameSink, StreamKey};
 use crate::error::{Error, Result, spawn};
 use crate::proto::{Format, Frame, StreamEvent};
 use crate::source::verify_frame;
-use crate::stats::{self, DeviceCounters};
+use crate::stats::DeviceCounters;
 
 /// File format of written frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -370,8 +370,8 @@ mod tests {
             crate::source::camera_pattern(2, 9, 8, 4, &mut want);
             assert_eq!(img.into_raw(), want);
         }
-        assert_eq!(stats::get(&counters.verified), 20);
-        assert_eq!(stats::get(&counters.mismatched), 0);
+        assert_eq!(crate::stats::get(&counters.verified), 20);
+        assert_eq!(crate::stats::get(&counters.mismatched), 0);
     }
 
     #[test]
