@@ -322,9 +322,7 @@ fn images_source_streams_the_shipped_assets() {
 /// leave) is counted per kind, freed, and the receiver carries on.
 #[test]
 fn invalid_blocks_are_counted_freed_and_survived() {
-    use rdmastream::transport::{
-        Connection, Connector, RemoteAddr, SendBlocks, Target, WriteSource, WriteWr,
-    };
+    use rdmastream::transport::{Connector, RemoteAddr, SendBlocks, Target, WriteSource, WriteWr};
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(4, 256, vec![]));
     let sink = Arc::new(Collect::default());
