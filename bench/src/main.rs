@@ -119,6 +119,7 @@ fn engine_rate(
                         index,
                         timestamp_ns: 0,
                         duration_ns: 0,
+                        pts_ns: None,
                         format: format.clone(),
                         data: data.clone(),
                     };

@@ -13,8 +13,8 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::proto::{
-    Action, BlockHeader, DeviceNumbering, DeviceStream, MessageKind, Packet, RemoteLayout,
-    ReorderConfig, SenderMachine, StreamEvent, fragment_range, status,
+    Action, BlockHeader, DeviceNumbering, DeviceStream, MessageKind, MessageTimes, Packet,
+    RemoteLayout, ReorderConfig, SenderMachine, StreamEvent, fragment_range, status,
 };
 
 /// A simulated device.
@@ -166,7 +166,7 @@ fn deliver(
     let (h, p) = BlockHeader::decode_block(bytes, 255).expect("simulated blocks are valid");
     let packet = Packet {
         header: h,
-        payload: p.to_vec(),
+        payload: bytes::Bytes::copy_from_slice(p),
     };
     let pos = match streams.iter().position(|(d, _)| *d == h.device) {
         Some(p) => p,
@@ -179,7 +179,7 @@ fn deliver(
     s.handle_packet(now, packet);
     while let Some(e) = s.poll_event() {
         match e {
-            StreamEvent::Frame(f) => report.delivered.push((f.device, f.index, f.data)),
+            StreamEvent::Frame(f) => report.delivered.push((f.device, f.index, f.data.to_vec())),
             StreamEvent::EndOfStream { .. } => report.ended.push(h.device),
             StreamEvent::Format { .. } => {}
         }
@@ -451,8 +451,7 @@ pub fn run(cfg: &SimConfig, limit: Duration) -> SimReport {
                         index,
                         data.len(),
                         cfg.block_size,
-                        now.as_nanos() as u64,
-                        0,
+                        MessageTimes::at(now.as_nanos() as u64),
                     )
                     .expect("fits");
                 filling = Some((hs.into_iter().enumerate().collect(), data));

@@ -331,7 +331,8 @@ mod tests {
                     index: f,
                     timestamp_ns: 0,
                     duration_ns: 0,
-                    data,
+                    pts_ns: None,
+                    data: data.into(),
                 }),
             );
         }

@@ -20,6 +20,8 @@ pub struct SourceFrame {
     pub timestamp_ns: u64,
     /// Frame duration in ns (0 when unknown).
     pub duration_ns: u32,
+    /// Presentation timestamp in ns (e.g. a GStreamer PTS), carried to the receiver.
+    pub pts_ns: Option<u64>,
     /// Format descriptor (caps string) of this frame.
     pub format: Arc<str>,
     /// The frame's bytes (cheaply clonable: a source may hand out the same buffer again).
@@ -186,6 +188,7 @@ impl Producer {
             index,
             timestamp_ns: unix_now_ns(),
             duration_ns: self.period.as_nanos().min(u32::MAX as u128) as u32,
+            pts_ns: Some(index * self.period.as_nanos() as u64),
             format: self.format.clone(),
             data: (self.make)(index).into(),
         }

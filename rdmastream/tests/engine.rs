@@ -358,6 +358,7 @@ fn invalid_blocks_are_counted_freed_and_survived() {
         timestamp_ns: 0,
         message_len: 3,
         duration_ns: 0,
+        pts_ns: rdmastream::proto::NO_PTS,
     };
     let valid_elsewhere = SendBlocks::new(1, 256);
     let used = valid_elsewhere.fill(0, |b| h.encode_block(b"abc", b));
@@ -415,5 +416,68 @@ fn invalid_blocks_are_counted_freed_and_survived() {
     conn.poll_completions(&mut done, Duration::ZERO).unwrap();
     assert_eq!(conn.read_buffer(), vec![0, 0, 0, 0]);
     drop(conn);
+    receiver.stop();
+}
+
+/// A sink that keeps every frame it gets (as a slow consumer would): blocks handed on without
+/// copying stay retained, but the receiver stops retaining at half the region and copies, so the
+/// sender is never starved and every frame arrives.
+#[test]
+fn a_sink_holding_every_frame_does_not_starve_the_sender() {
+    #[derive(Default)]
+    struct Hoard(std::sync::Mutex<Vec<rdmastream::bytes::Bytes>>);
+    impl rdmastream::engine::FrameSink for Hoard {
+        fn handle(
+            &self,
+            _: &rdmastream::engine::StreamKey,
+            _: &Arc<rdmastream::stats::DeviceCounters>,
+            event: rdmastream::proto::StreamEvent,
+        ) {
+            if let rdmastream::proto::StreamEvent::Frame(f) = event {
+                self.0.lock().unwrap().push(f.data);
+            }
+        }
+    }
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 4096, vec![]));
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "h".into(),
+        token: "t0k".into(),
+        send_blocks: 2,
+        block_size: 4096,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
+    let t = stream_frames(
+        &s,
+        0,
+        SourceKind::RadarSynthetic {
+            size: 1000,
+            rate: 2000.0,
+        },
+        50,
+    );
+    assert!(
+        wait_until(Duration::from_secs(30), || t.is_finished()),
+        "sender starved: the source never got rid of its frames"
+    );
+    assert_eq!(
+        s.finish(Duration::from_secs(20)).unwrap().unsent,
+        0,
+        "sender starved"
+    );
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    let held = sink.0.lock().unwrap();
+    assert_eq!(held.len(), 50);
+    for (f, data) in held.iter().enumerate() {
+        let mut want = vec![0; 1000];
+        rdmastream::source::radar_pattern(0, f as u64, &mut want);
+        assert_eq!(&data[..], &want[..], "frame {f}");
+    }
+    drop(held);
     receiver.stop();
 }

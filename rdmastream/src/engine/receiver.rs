@@ -12,8 +12,11 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Result, spawn};
+use bytes::Bytes;
+
 use crate::proto::{
-    BlockError, BlockHeader, BlockScanner, DeviceStream, Packet, ReorderConfig, StreamEvent, status,
+    BlockError, BlockHeader, BlockScanner, DeviceStream, HEADER_LEN, Packet, ReorderConfig,
+    StreamEvent,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
 use crate::transport::{Accepted, Listener, Region};
@@ -285,12 +288,20 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
     let n = region.layout().blocks;
     let mut scanner = BlockScanner::default();
     let mut idle = shared.opts.poll_min;
+    // Keep at least half the blocks for the sender: beyond that, payloads are copied.
+    let zero_copy_limit = n / 2;
+    let mut copy_logged = false;
     let mut next_timeout_check = Instant::now();
     loop {
         // Read `closed` before scanning: a block written before the close is then seen.
         let closed = region.is_closed();
         if let Some(j) = scanner.next_full(n, |j| region.status(j)) {
-            let packet = take_block(region.as_ref(), j, shared.opts.max_device);
+            let over = region.retained() >= zero_copy_limit;
+            if over && !copy_logged {
+                tracing::debug!(sender = %name, "{} of {n} blocks are held downstream; copying payloads until some are released", region.retained());
+            }
+            copy_logged = over;
+            let packet = take_block(&region, j, shared.opts.max_device, zero_copy_limit);
             shared.blocks.fetch_add(1, Ordering::Relaxed);
             match packet {
                 Ok(p) => route(&shared, &name, p),
@@ -317,21 +328,32 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
     }
 }
 
-/// Copies block `j` out after validating it, then frees it (status 0).
+/// Takes block `j`: retains it (status 2), validates it, and either hands its payload on as is
+/// (zero copy; the block is freed when the last user drops it) or, when `zero_copy_limit` blocks
+/// of this region are already retained, copies the payload and frees the block at once. An
+/// invalid block is freed at once.
 fn take_block(
-    region: &dyn Region,
+    region: &Arc<dyn Region>,
     j: usize,
     max_device: u8,
+    zero_copy_limit: usize,
 ) -> std::result::Result<Packet, BlockError> {
-    let mut out = Err(BlockError::TooShort);
-    region.read_block(j, &mut |bytes| {
-        out = BlockHeader::decode_block(bytes, max_device).map(|(header, payload)| Packet {
-            header,
-            payload: payload.to_vec(),
-        });
-    });
-    region.set_status(j, status::EMPTY);
-    out
+    let held = region.clone().retain(j);
+    let (header, range) = {
+        let (h, payload) = BlockHeader::decode_block(&held, max_device)?;
+        (h, HEADER_LEN..HEADER_LEN + payload.len())
+    };
+    let payload = if region.retained() <= zero_copy_limit && header.fragment_count == 1 {
+        Bytes::from_owner(held).slice(range)
+    } else {
+        tracing::trace!(
+            block = j,
+            retained = region.retained(),
+            "copying block payload"
+        );
+        Bytes::copy_from_slice(&held[range])
+    };
+    Ok(Packet { header, payload })
 }
 
 fn deliver(shared: &Shared, key: &StreamKey, events: Vec<StreamEvent>) {

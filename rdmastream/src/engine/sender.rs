@@ -12,7 +12,8 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Select, Sender, TrySendError
 use crate::error::{Error, Result, spawn};
 use crate::proto::handshake::{DataPath, Hello, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
-    Action, DeviceNumbering, MessageKind, SenderMachine, SenderStats, fragment_range, status,
+    Action, DeviceNumbering, MessageKind, MessageTimes, NO_PTS, SenderMachine, SenderStats,
+    fragment_range, status,
 };
 use crate::source::SourceFrame;
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
@@ -321,12 +322,11 @@ fn filling_thread(
                 kind: MessageKind,
                 index: Option<u64>,
                 payload: &[u8],
-                ts: u64,
-                dur: u32|
+                times: MessageTimes|
      -> bool {
         let Some(headers) =
             dev.numbering
-                .plan(dev.device, kind, index, payload.len(), block_size, ts, dur)
+                .plan(dev.device, kind, index, payload.len(), block_size, times)
         else {
             tracing::error!(
                 device = dev.device,
@@ -344,8 +344,8 @@ fn filling_thread(
                 h.seal(b);
                 used
             });
-            let frame_end =
-                (kind == MessageKind::Frame && k + 1 == count).then_some((payload.len(), ts));
+            let frame_end = (kind == MessageKind::Frame && k + 1 == count)
+                .then_some((payload.len(), times.timestamp_ns));
             if filled
                 .send(ToSending::Block(Filled {
                     index: i,
@@ -402,8 +402,7 @@ fn filling_thread(
                         MessageKind::Format,
                         Some(f.index),
                         f.format.as_bytes(),
-                        f.timestamp_ns,
-                        0,
+                        MessageTimes::at(f.timestamp_ns),
                     );
                     dev.format = Some(f.format.clone());
                 }
@@ -412,8 +411,11 @@ fn filling_thread(
                     MessageKind::Frame,
                     Some(f.index),
                     &f.data,
-                    f.timestamp_ns,
-                    f.duration_ns,
+                    MessageTimes {
+                        timestamp_ns: f.timestamp_ns,
+                        duration_ns: f.duration_ns,
+                        pts_ns: f.pts_ns.unwrap_or(NO_PTS),
+                    },
                 )
             }
             Msg::End => {
@@ -423,8 +425,7 @@ fn filling_thread(
                     MessageKind::EndOfStream,
                     Some(next),
                     &[],
-                    unix_now_ns(),
-                    0,
+                    MessageTimes::at(unix_now_ns()),
                 );
                 devices.remove(pos);
                 ok

@@ -7,7 +7,7 @@
 /// Version of the block layout written into every header.
 pub const BLOCK_VERSION: u8 = 1;
 /// Bytes of header at the start of every memory block.
-pub const HEADER_LEN: usize = 40;
+pub const HEADER_LEN: usize = 48;
 /// Bytes of trailer right after the payload.
 pub const TRAILER_LEN: usize = 12;
 /// Header + trailer: what a block costs besides its payload.
@@ -62,7 +62,12 @@ pub struct BlockHeader {
     pub message_len: u32,
     /// Duration of the frame in nanoseconds (0 when unknown).
     pub duration_ns: u32,
+    /// Presentation timestamp in nanoseconds (the GStreamer PTS), or [`NO_PTS`].
+    pub pts_ns: u64,
 }
+
+/// `pts_ns` of a frame without a presentation timestamp.
+pub const NO_PTS: u64 = u64::MAX;
 
 /// Why a block was rejected. Each kind is counted separately by the receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -151,6 +156,7 @@ impl BlockHeader {
         h[24..32].copy_from_slice(&self.timestamp_ns.to_le_bytes());
         h[32..36].copy_from_slice(&self.message_len.to_le_bytes());
         h[36..40].copy_from_slice(&self.duration_ns.to_le_bytes());
+        h[40..48].copy_from_slice(&self.pts_ns.to_le_bytes());
     }
 
     /// Writes the trailer after a header and payload already in `block`.
@@ -210,6 +216,7 @@ impl BlockHeader {
             timestamp_ns: u64_at(24),
             message_len: u32_at(32),
             duration_ns: u32_at(36),
+            pts_ns: u64_at(40),
         };
         if h.flags & !flags::KNOWN != 0 {
             return Err(BlockError::BadFlags);
@@ -261,6 +268,7 @@ mod tests {
             timestamp_ns: 1_700_000_000_123_456_789,
             message_len: 15,
             duration_ns: 40_000_000,
+            pts_ns: 123_456,
         }
     }
 
@@ -285,12 +293,13 @@ mod tests {
         assert_eq!(block[3], BLOCK_VERSION);
         assert_eq!(&block[6..8], &[1, 0]);
         assert_eq!(&block[8..10], &[3, 0]);
-        assert_eq!(&block[10..12], &[40, 0]);
+        assert_eq!(&block[10..12], &[48, 0]);
         assert_eq!(&block[12..16], &[5, 0, 0, 0]);
         assert_eq!(&block[16..24], &(1u64 << 40).to_le_bytes());
-        assert_eq!(&block[40..45], b"hello");
-        assert_eq!(&block[45..49], &[5, 0, 0, 0]);
-        assert_eq!(block[52], 0x5A);
+        assert_eq!(&block[40..48], &123_456u64.to_le_bytes());
+        assert_eq!(&block[48..53], b"hello");
+        assert_eq!(&block[53..57], &[5, 0, 0, 0]);
+        assert_eq!(block[60], 0x5A);
     }
 
     #[test]
@@ -311,7 +320,7 @@ mod tests {
     #[test]
     fn malformed_headers_are_rejected_by_kind() {
         let h = sample();
-        let mut block = vec![0; 64];
+        let mut block = vec![0; 72];
         h.encode_block(b"hello", &mut block);
         let check = |mutate: &dyn Fn(&mut Vec<u8>), want: BlockError, max_dev: u8| {
             let mut b = block.clone();
@@ -320,7 +329,7 @@ mod tests {
         };
         check(&|b| b.truncate(20), BlockError::TooShort, 255);
         check(&|b| b[3] = 9, BlockError::BadVersion, 255);
-        check(&|b| b[10] = 32, BlockError::BadHeaderLen, 255);
+        check(&|b| b[10] = 40, BlockError::BadHeaderLen, 255);
         check(&|b| b[4] = 0x80, BlockError::BadFlags, 255);
         check(
             &|b| b[12..16].copy_from_slice(&1000u32.to_le_bytes()),
@@ -343,15 +352,15 @@ mod tests {
             255,
         );
         check(&|_| {}, BlockError::DeviceOutOfRange, 6);
-        check(&|b| b[45] ^= 1, BlockError::BadSeal, 255);
+        check(&|b| b[53] ^= 1, BlockError::BadSeal, 255);
         // A zeroed block (never written) is not a valid block.
-        assert!(BlockHeader::decode_block(&[0u8; 64], 255).is_err());
+        assert!(BlockHeader::decode_block(&[0u8; 72], 255).is_err());
     }
 
     #[test]
     fn stale_block_with_other_packet_number_fails_the_seal() {
         // Header of a new message over the trailer of an old one: the torn-write case.
-        let mut old = vec![0; 64];
+        let mut old = vec![0; 72];
         sample().encode_block(b"hello", &mut old);
         let mut newer = sample();
         newer.packet = 3;

@@ -12,9 +12,9 @@ pub mod sender;
 
 pub use format::Format;
 pub use header::{
-    BlockError, BlockHeader, HEADER_LEN, OVERHEAD, TRAILER_LEN, payload_capacity, status,
+    BlockError, BlockHeader, HEADER_LEN, NO_PTS, OVERHEAD, TRAILER_LEN, payload_capacity, status,
 };
-pub use packetizer::{DeviceNumbering, MessageKind, fragment_range};
+pub use packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range};
 pub use reorder::{DeviceStream, Frame, Packet, ReorderConfig, ReorderStats, StreamEvent};
 pub use sender::{Action, RemoteLayout, SenderMachine, SenderStats};
 

@@ -14,6 +14,28 @@ pub enum MessageKind {
     EndOfStream,
 }
 
+/// Times a message carries in every one of its block headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageTimes {
+    /// Capture time, ns since the UNIX epoch (0 when unknown).
+    pub timestamp_ns: u64,
+    /// Frame duration in ns (0 when unknown).
+    pub duration_ns: u32,
+    /// Presentation timestamp in ns, or [`super::header::NO_PTS`].
+    pub pts_ns: u64,
+}
+
+impl MessageTimes {
+    /// Only a capture time.
+    pub fn at(timestamp_ns: u64) -> MessageTimes {
+        MessageTimes {
+            timestamp_ns,
+            duration_ns: 0,
+            pts_ns: super::header::NO_PTS,
+        }
+    }
+}
+
 /// Numbering state of one device on the sender. Survives reconnects: numbering carries on.
 #[derive(Debug, Clone, Default)]
 pub struct DeviceNumbering {
@@ -48,7 +70,6 @@ impl DeviceNumbering {
     /// 65535 blocks (the fragment count is 16 bits) or the block cannot hold any payload.
     /// `frame_index` overrides the frame index (a source numbers its frames itself, so frames it
     /// dropped leave a visible gap); `None` uses the next one.
-    #[allow(clippy::too_many_arguments)] // one argument per header field it fills
     pub fn plan(
         &mut self,
         device: u8,
@@ -56,8 +77,7 @@ impl DeviceNumbering {
         frame_index: Option<u64>,
         len: usize,
         block_size: usize,
-        timestamp_ns: u64,
-        duration_ns: u32,
+        times: MessageTimes,
     ) -> Option<Vec<BlockHeader>> {
         let cap = payload_capacity(block_size);
         if cap == 0 || len > u32::MAX as usize {
@@ -89,9 +109,10 @@ impl DeviceNumbering {
                     fragment_count: count as u16,
                     payload_len: payload_len as u32,
                     frame_index: self.next_frame,
-                    timestamp_ns,
+                    timestamp_ns: times.timestamp_ns,
                     message_len: len as u32,
-                    duration_ns,
+                    duration_ns: times.duration_ns,
+                    pts_ns: times.pts_ns,
                 };
                 self.next_packet = self.next_packet.wrapping_add(1);
                 h
@@ -115,12 +136,20 @@ pub fn fragment_range(k: usize, len: usize, block_size: usize) -> std::ops::Rang
 mod tests {
     use super::*;
     use crate::proto::header::OVERHEAD;
+    use crate::proto::packetizer::MessageTimes;
 
     #[test]
     fn splits_and_numbers() {
         let mut n = DeviceNumbering::starting_at(65534, 0);
         let hs = n
-            .plan(3, MessageKind::Frame, None, 250, 100 + OVERHEAD, 5, 0)
+            .plan(
+                3,
+                MessageKind::Frame,
+                None,
+                250,
+                100 + OVERHEAD,
+                MessageTimes::at(5),
+            )
             .unwrap();
         assert_eq!(hs.len(), 3);
         assert_eq!(
@@ -138,7 +167,14 @@ mod tests {
         assert_eq!(fragment_range(2, 250, 100 + OVERHEAD), 200..250);
         assert_eq!(n.next_frame(), 1);
         let eos = n
-            .plan(3, MessageKind::EndOfStream, None, 0, 100 + OVERHEAD, 0, 0)
+            .plan(
+                3,
+                MessageKind::EndOfStream,
+                None,
+                0,
+                100 + OVERHEAD,
+                MessageTimes::at(0),
+            )
             .unwrap();
         assert_eq!(eos.len(), 1);
         assert!(eos[0].is_end_of_stream());
@@ -151,12 +187,26 @@ mod tests {
     fn refuses_what_cannot_be_numbered() {
         let mut n = DeviceNumbering::default();
         assert!(
-            n.plan(0, MessageKind::Frame, None, 10, OVERHEAD, 0, 0)
-                .is_none()
+            n.plan(
+                0,
+                MessageKind::Frame,
+                None,
+                10,
+                OVERHEAD,
+                MessageTimes::at(0)
+            )
+            .is_none()
         );
         assert!(
-            n.plan(0, MessageKind::Frame, None, 70_000, OVERHEAD + 1, 0, 0)
-                .is_none()
+            n.plan(
+                0,
+                MessageKind::Frame,
+                None,
+                70_000,
+                OVERHEAD + 1,
+                MessageTimes::at(0)
+            )
+            .is_none()
         );
     }
 }

@@ -17,7 +17,9 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::header::BlockHeader;
+use bytes::Bytes;
+
+use super::header::{BlockHeader, NO_PTS};
 
 /// Reordering limits.
 #[derive(Debug, Clone, Copy)]
@@ -38,11 +40,12 @@ impl Default for ReorderConfig {
     }
 }
 
-/// One valid block, copied out of its memory block.
+/// One valid block's header and payload. The payload is either a copy or the receiver memory
+/// block itself, kept (retained) until the last clone of it is dropped.
 #[derive(Debug, Clone)]
 pub struct Packet {
     pub header: BlockHeader,
-    pub payload: Vec<u8>,
+    pub payload: Bytes,
 }
 
 /// A complete frame.
@@ -52,7 +55,9 @@ pub struct Frame {
     pub index: u64,
     pub timestamp_ns: u64,
     pub duration_ns: u32,
-    pub data: Vec<u8>,
+    /// Presentation timestamp in ns, if the sender had one.
+    pub pts_ns: Option<u64>,
+    pub data: Bytes,
 }
 
 /// What comes out of a device stream, in packet order.
@@ -318,7 +323,7 @@ impl DeviceStream {
         a.next_fragment += 1;
         if a.next_fragment == a.first.fragment_count {
             if a.data.len() == a.first.message_len as usize {
-                self.emit(a.first, a.data);
+                self.emit(a.first, a.data.into());
             } else {
                 self.stats.partial_messages += 1;
             }
@@ -337,7 +342,7 @@ impl DeviceStream {
         self.discarding = true;
     }
 
-    fn emit(&mut self, h: BlockHeader, data: Vec<u8>) {
+    fn emit(&mut self, h: BlockHeader, data: Bytes) {
         let event = if h.is_end_of_stream() {
             StreamEvent::EndOfStream {
                 frame_index: h.frame_index,
@@ -345,7 +350,7 @@ impl DeviceStream {
         } else if h.is_format() {
             StreamEvent::Format {
                 frame_index: h.frame_index,
-                descriptor: data,
+                descriptor: data.to_vec(),
             }
         } else {
             StreamEvent::Frame(Frame {
@@ -353,6 +358,7 @@ impl DeviceStream {
                 index: h.frame_index,
                 timestamp_ns: h.timestamp_ns,
                 duration_ns: h.duration_ns,
+                pts_ns: (h.pts_ns != NO_PTS).then_some(h.pts_ns),
                 data,
             })
         };
@@ -363,7 +369,8 @@ impl DeviceStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::packetizer::{DeviceNumbering, MessageKind, fragment_range};
+    use crate::proto::header::OVERHEAD;
+    use crate::proto::packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range};
 
     fn packets(n: &mut DeviceNumbering, frames: usize, len: usize, block: usize) -> Vec<Packet> {
         let mut out = Vec::new();
@@ -376,12 +383,11 @@ mod tests {
                     Some(f as u64),
                     len,
                     block,
-                    f as u64,
-                    0,
+                    MessageTimes::at(f as u64),
                 )
                 .unwrap();
             for (k, h) in hs.into_iter().enumerate() {
-                let payload = data[fragment_range(k, len, block)].to_vec();
+                let payload = Bytes::copy_from_slice(&data[fragment_range(k, len, block)]);
                 out.push(Packet { header: h, payload });
             }
         }
@@ -401,8 +407,8 @@ mod tests {
     fn reorders_and_reassembles_across_wrap() {
         let now = Instant::now();
         let mut n = DeviceNumbering::starting_at(65530, 0);
-        let mut ps = packets(&mut n, 6, 100, 60); // 2 fragments each (cap 8) ... see below
-        // block 60 - 52 overhead = 8 payload bytes per block: 13 fragments per frame.
+        let mut ps = packets(&mut n, 6, 100, OVERHEAD + 8);
+        // 8 payload bytes per block: 13 fragments per frame.
         assert_eq!(ps[0].header.fragment_count, 13);
         // Swap neighbours pairwise: every packet arrives out of order.
         for pair in ps.chunks_mut(2) {
@@ -421,7 +427,7 @@ mod tests {
     fn joining_mid_stream_starts_at_the_oldest_after_settling() {
         let now = Instant::now();
         let mut n = DeviceNumbering::starting_at(65533, 0);
-        let mut ps = packets(&mut n, 8, 5, 64);
+        let mut ps = packets(&mut n, 8, 5, OVERHEAD + 12);
         ps.remove(0); // the STREAM_START block was consumed by a receiver that then restarted
         ps.swap(0, 3);
         let cfg = ReorderConfig {
@@ -446,7 +452,7 @@ mod tests {
     fn missing_packet_is_given_up_after_timeout_and_counted() {
         let now = Instant::now();
         let mut n = DeviceNumbering::default();
-        let ps = packets(&mut n, 4, 5, 64);
+        let ps = packets(&mut n, 4, 5, OVERHEAD + 12);
         let mut s = DeviceStream::new(ReorderConfig {
             window: 8,
             timeout: Duration::from_millis(10),
@@ -469,7 +475,7 @@ mod tests {
     fn window_bounds_memory_and_duplicates_are_dropped() {
         let now = Instant::now();
         let mut n = DeviceNumbering::default();
-        let ps = packets(&mut n, 20, 5, 64);
+        let ps = packets(&mut n, 20, 5, OVERHEAD + 12);
         let mut s = DeviceStream::new(ReorderConfig {
             window: 4,
             timeout: Duration::from_secs(60),
@@ -490,7 +496,7 @@ mod tests {
     fn lost_fragment_drops_only_its_message() {
         let now = Instant::now();
         let mut n = DeviceNumbering::default();
-        let ps = packets(&mut n, 3, 20, 52 + 8); // 3 fragments each
+        let ps = packets(&mut n, 3, 20, OVERHEAD + 8); // 3 fragments each
         let mut s = DeviceStream::new(ReorderConfig {
             window: 2,
             timeout: Duration::from_secs(60),

@@ -3,9 +3,9 @@
 //! memory with the NIC and offers the same access.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RawMutex, lock_api::ArcMutexGuard};
 
 use super::{RegionSettings, Target};
 use crate::proto::{RemoteLayout, status};
@@ -25,6 +25,73 @@ pub trait Region: Send + Sync {
     fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8]));
     /// True once the sender's connection is gone: nothing will be written any more.
     fn is_closed(&self) -> bool;
+    /// Keeps block `j`, which must be FULL, for the caller: its status byte becomes RETAINED (2),
+    /// so the sender skips it, until the returned handle is dropped; then it becomes EMPTY. This is
+    /// how a receiver hands a block on without copying it.
+    fn retain(self: Arc<Self>, j: usize) -> RetainedBlock;
+    /// Blocks currently retained.
+    fn retained(&self) -> usize;
+    /// Ends a retention: the block becomes EMPTY. Called by [`RetainedBlock`]'s drop.
+    fn release(&self, j: usize);
+}
+
+/// The bytes of a retained block, however the region stores them.
+pub trait HeldBytes: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+/// A receiver memory block kept with status RETAINED; dereferences to the block's bytes and
+/// frees the block (status EMPTY) when dropped.
+pub struct RetainedBlock {
+    region: Arc<dyn Region>,
+    index: usize,
+    held: Option<Box<dyn HeldBytes>>,
+}
+
+impl RetainedBlock {
+    /// Wraps bytes held for block `index` of `region` (whose status byte the region already set
+    /// to RETAINED); [`Region::release`] runs once they are let go.
+    pub fn new(region: Arc<dyn Region>, index: usize, held: Box<dyn HeldBytes>) -> Self {
+        RetainedBlock {
+            region,
+            index,
+            held: Some(held),
+        }
+    }
+
+    /// Which block this is.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+}
+
+impl AsRef<[u8]> for RetainedBlock {
+    fn as_ref(&self) -> &[u8] {
+        self.held.as_ref().expect("held until drop").bytes()
+    }
+}
+
+impl std::ops::Deref for RetainedBlock {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.as_ref()
+    }
+}
+
+impl Drop for RetainedBlock {
+    fn drop(&mut self) {
+        // Let go of the bytes first, then tell the sender the block is free.
+        self.held.take();
+        self.region.release(self.index);
+    }
+}
+
+struct SoftHeld(ArcMutexGuard<RawMutex, Box<[u8]>>);
+
+impl HeldBytes for SoftHeld {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
 }
 
 /// A receiver region in ordinary memory, written by a software "NIC" (the `mem` transport's
@@ -32,8 +99,9 @@ pub trait Region: Send + Sync {
 pub struct SoftRegion {
     layout: RemoteLayout,
     statuses: Box<[AtomicU8]>,
-    blocks: Box<[Mutex<Box<[u8]>>]>,
+    blocks: Box<[Arc<Mutex<Box<[u8]>>>]>,
     closed: AtomicBool,
+    retained: AtomicUsize,
 }
 
 /// A remote access that the region's access rights or bounds forbid (what an RNIC reports as a
@@ -55,7 +123,11 @@ impl SoftRegion {
             })
             .collect();
         let blocks = (0..settings.blocks)
-            .map(|_| Mutex::new(vec![0u8; settings.block_size].into_boxed_slice()))
+            .map(|_| {
+                Arc::new(Mutex::new(
+                    vec![0u8; settings.block_size].into_boxed_slice(),
+                ))
+            })
             .collect();
         Arc::new(SoftRegion {
             layout: RemoteLayout {
@@ -65,6 +137,7 @@ impl SoftRegion {
             statuses,
             blocks,
             closed: AtomicBool::new(false),
+            retained: AtomicUsize::new(0),
         })
     }
 
@@ -158,6 +231,19 @@ impl Region for SoftRegion {
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
+    fn retain(self: Arc<Self>, j: usize) -> RetainedBlock {
+        let guard = self.blocks[j].lock_arc();
+        self.statuses[j].store(status::RETAINED, Ordering::Release);
+        self.retained.fetch_add(1, Ordering::Relaxed);
+        RetainedBlock::new(self, j, Box::new(SoftHeld(guard)))
+    }
+    fn retained(&self) -> usize {
+        self.retained.load(Ordering::Relaxed)
+    }
+    fn release(&self, j: usize) {
+        self.retained.fetch_sub(1, Ordering::Relaxed);
+        self.statuses[j].store(status::EMPTY, Ordering::Release);
+    }
 }
 
 /// The sender's S send blocks (the paper's sending memory blocks). A block belongs to the filling
@@ -220,6 +306,23 @@ mod tests {
             (0..4).map(|j| r.status(j)).collect::<Vec<_>>(),
             vec![0, 0, 2, 0]
         );
+    }
+
+    #[test]
+    fn a_retained_block_is_status_2_until_dropped() {
+        let r = region();
+        r.set_status(1, status::FULL);
+        let held = r.clone().retain(1);
+        assert_eq!(r.status(1), status::RETAINED);
+        assert_eq!(r.retained(), 1);
+        assert_eq!(held.len(), 64);
+        let bytes = bytes::Bytes::from_owner(held).slice(3..5);
+        let clone = bytes.clone();
+        drop(bytes);
+        assert_eq!(r.status(1), status::RETAINED, "a clone still holds it");
+        drop(clone);
+        assert_eq!(r.status(1), status::EMPTY);
+        assert_eq!(r.retained(), 0);
     }
 
     #[test]
