@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# Installs what building rdmastream needs on a fresh Debian 12 machine (idempotent, quiet).
-# The Rust toolchain itself (rustc/cargo 1.95) is expected to be installed already.
+# Installs what building and running rdmastream needs on a fresh Debian 12 machine (idempotent,
+# quiet; only missing Debian packages are installed). The Rust toolchain itself (rustc/cargo
+# 1.95) is expected to be installed already.
 set -euo pipefail
-need=()
-command -v cc >/dev/null 2>&1 || need+=(build-essential)
-command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
-if ((${#need[@]})); then
+packages=(
+  build-essential pkg-config
+  # ibverbs-sys: bindgen (libclang) and the vendored rdma-core build (cmake, libnl); it compiles
+  # against the system's libibverbs headers and links libibverbs at run time; ibverbs-providers
+  # holds the rxe (Soft-RoCE) and hardware providers.
+  cmake clang libclang-dev libibverbs-dev libnl-3-dev libnl-route-3-dev libibverbs1 ibverbs-providers
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    echo "setup: installing ${missing[*]}" >&2
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   else
-    echo "setup: please install: ${need[*]}" >&2
+    echo "setup: please install (as root): apt-get install ${missing[*]}" >&2
     exit 1
   fi
 fi

@@ -37,6 +37,12 @@ pub enum Error {
     /// A setting is out of range or inconsistent.
     #[error("invalid setting {key}: {reason}")]
     Invalid { key: String, reason: String },
+    /// An RDMA verbs operation failed.
+    #[error("RDMA: {op}: {cause}")]
+    Rdma {
+        op: String,
+        cause: crate::transport::verbs::ibv::VerbsError,
+    },
     /// Spawning a thread failed.
     #[error("cannot start thread {name}: {source}")]
     Thread { name: String, source: io::Error },

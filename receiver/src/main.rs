@@ -17,7 +17,8 @@ use rdmastream::proto::ReorderConfig;
 use rdmastream::sink::{DeviceOutput, DirectorySink, DirectorySinkOptions, FileFormat};
 use rdmastream::stats::{StatusLine, get};
 use rdmastream::transport::tcp::TcpListenerTransport;
-use rdmastream::transport::{Listener, RegionSettings};
+use rdmastream::transport::verbs::{VerbsListener, VerbsSettings, posted_work_requests};
+use rdmastream::transport::{self, Kind, Listener, RegionSettings};
 
 /// Receives frames from rdmastream senders into per-device directories.
 #[derive(Parser, Debug)]
@@ -39,7 +40,7 @@ struct Cli {
     /// Override `listen` (address:port).
     #[arg(long)]
     listen: Option<String>,
-    /// Override `transport` (auto, tcp).
+    /// Override `transport` (auto, verbs, tcp).
     #[arg(long)]
     transport: Option<String>,
 }
@@ -83,7 +84,17 @@ struct Config {
     #[serde(default = "d_status")]
     status_interval: f64,
     #[serde(default)]
+    rdma_device: Option<String>,
+    #[serde(default = "d_port")]
+    ib_port: u8,
+    #[serde(default)]
+    gid_index: Option<u32>,
+    #[serde(default)]
     device: Vec<DeviceConfig>,
+}
+
+fn d_port() -> u8 {
+    1
 }
 
 #[derive(Deserialize, Debug)]
@@ -171,6 +182,9 @@ fn validate(
             "reserved_blocks",
             "would leave no block for senders".into(),
         ));
+    }
+    if cfg.ib_port == 0 {
+        return Err(err("ib_port", "ports are numbered from 1".into()));
     }
     if !matches!(cfg.transport.as_str(), "auto" | "tcp" | "verbs") {
         return Err(err(
@@ -284,19 +298,14 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     }
     let (region, opts, mut sink_opts) = validate(&cfg, &file)?;
     sink_opts.verify = cli.verify;
-    let listener: Box<dyn Listener> = match cfg.transport.as_str() {
-        "tcp" => Box::new(TcpListenerTransport::bind(&cfg.listen, region)?),
-        "auto" => {
-            tracing::info!(
-                "transport auto: no RDMA verbs support in this build; using the tcp software transport"
-            );
-            Box::new(TcpListenerTransport::bind(&cfg.listen, region)?)
-        }
-        other => anyhow::bail!(ConfigError::new(
-            &file,
-            "transport",
-            format!("{other:?}: the verbs transport is not built yet")
-        )),
+    let verbs = VerbsSettings {
+        device: cfg.rdma_device.clone(),
+        port: cfg.ib_port,
+        gid_index: cfg.gid_index,
+    };
+    let listener: Box<dyn Listener> = match transport::choose(&cfg.transport, &verbs)? {
+        Kind::Tcp => Box::new(TcpListenerTransport::bind(&cfg.listen, region)?),
+        Kind::Verbs => Box::new(VerbsListener::bind(&cfg.listen, region, verbs)?),
     };
     let sink = Arc::new(
         DirectorySink::new(sink_opts)
@@ -359,7 +368,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     }
     let p = line.total_latency();
     tracing::info!(
-        "summary: {blocks} blocks, {idle} idle polls, invalid blocks {:?}, latency p50 {:?} p99 {:?}",
+        "summary: {blocks} blocks, {idle} idle polls, {} work requests posted by the receiver, invalid blocks {:?}, latency p50 {:?} p99 {:?}",
+        posted_work_requests(),
         invalid,
         p.quantile(0.5),
         p.quantile(0.99)

@@ -14,8 +14,9 @@ use rdmastream::app::{ConfigError, default_config, every, init_logging, load_tom
 use rdmastream::engine::{DropPolicy, SenderHandle, SenderOptions};
 use rdmastream::source::{Producer, SourceKind};
 use rdmastream::stats::StatusLine;
-use rdmastream::transport::Connector;
 use rdmastream::transport::tcp::TcpConnector;
+use rdmastream::transport::verbs::{VerbsConnector, VerbsSettings};
+use rdmastream::transport::{self, Connector, Kind};
 
 /// Streams synthetic cameras, radars or image files to an rdmastream receiver.
 #[derive(Parser, Debug)]
@@ -34,7 +35,7 @@ struct Cli {
     /// Override `name`.
     #[arg(long)]
     name: Option<String>,
-    /// Override `transport` (auto, tcp).
+    /// Override `transport` (auto, verbs, tcp).
     #[arg(long)]
     transport: Option<String>,
 }
@@ -60,7 +61,17 @@ struct Config {
     #[serde(default = "d_status")]
     status_interval: f64,
     #[serde(default)]
+    rdma_device: Option<String>,
+    #[serde(default = "d_port")]
+    ib_port: u8,
+    #[serde(default)]
+    gid_index: Option<u32>,
+    #[serde(default)]
     device: Vec<DeviceConfig>,
+}
+
+fn d_port() -> u8 {
+    1
 }
 
 #[derive(Deserialize, Debug)]
@@ -146,6 +157,9 @@ fn validate(cfg: &Config, file: &Path) -> Result<Vec<Device>, ConfigError> {
     }
     if cfg.status_interval.is_nan() || cfg.status_interval <= 0.0 {
         return Err(err("status_interval", "must be > 0 seconds".into()));
+    }
+    if cfg.ib_port == 0 {
+        return Err(err("ib_port", "ports are numbered from 1".into()));
     }
     if !matches!(cfg.transport.as_str(), "auto" | "tcp" | "verbs") {
         return Err(err(
@@ -285,19 +299,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         cfg.transport = t;
     }
     let devices = validate(&cfg, &file)?;
-    let connector: Box<dyn Connector> = match cfg.transport.as_str() {
-        "tcp" => Box::new(TcpConnector::new(cfg.receiver.clone())),
-        "auto" => {
-            tracing::info!(
-                "transport auto: no RDMA verbs support in this build; using the tcp software transport"
-            );
-            Box::new(TcpConnector::new(cfg.receiver.clone()))
-        }
-        other => anyhow::bail!(ConfigError::new(
-            &file,
-            "transport",
-            format!("{other:?}: the verbs transport is not built yet")
-        )),
+    let verbs = VerbsSettings {
+        device: cfg.rdma_device.clone(),
+        port: cfg.ib_port,
+        gid_index: cfg.gid_index,
+    };
+    let connector: Box<dyn Connector> = match transport::choose(&cfg.transport, &verbs)? {
+        Kind::Tcp => Box::new(TcpConnector::new(cfg.receiver.clone())),
+        Kind::Verbs => Box::new(VerbsConnector::new(
+            cfg.receiver.clone(),
+            verbs,
+            cfg.max_outstanding,
+        )?),
     };
     // Build every producer first so a bad image directory fails before anything streams.
     let mut producers = Vec::new();

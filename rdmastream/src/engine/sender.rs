@@ -193,7 +193,7 @@ impl SenderHandle {
                 format!("must be larger than {} bytes", crate::proto::OVERHEAD),
             ));
         }
-        let blocks = SendBlocks::new(opts.send_blocks, opts.block_size);
+        let blocks = connector.alloc_send_blocks(opts.send_blocks, opts.block_size)?;
         let (free_tx, free_rx) = crossbeam_channel::unbounded();
         for i in 0..opts.send_blocks {
             free_tx.send(i).expect("receiver alive");

@@ -14,6 +14,7 @@
 pub mod mem;
 pub mod region;
 pub mod tcp;
+pub mod verbs;
 
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use crate::error::Result;
 use crate::proto::RemoteLayout;
 use crate::proto::handshake::Hello;
 
-pub use region::{Region, SendBlocks, SoftRegion};
+pub use region::{HeldBytes, Region, RegisteredBlocks, RetainedBlock, SendBlocks, SoftRegion};
 
 /// Which remote memory region an operation targets (each has its own key and access rights:
 /// blocks are remote-WRITE only, the status array remote READ and WRITE).
@@ -93,6 +94,15 @@ pub trait Connector: Send {
         hello: &Hello,
         blocks: &std::sync::Arc<SendBlocks>,
     ) -> Result<Box<dyn Connection>>;
+    /// Allocates (and registers, where the transport needs that) the sender's send blocks, once
+    /// at start; [`Connector::connect`] is then given them.
+    fn alloc_send_blocks(
+        &self,
+        count: usize,
+        block_size: usize,
+    ) -> Result<std::sync::Arc<SendBlocks>> {
+        Ok(SendBlocks::new(count, block_size))
+    }
 }
 
 /// What a receiver offers each connecting sender.
@@ -135,4 +145,40 @@ pub(crate) fn check_hello(
         return Err("authentication failed: auth token does not match".into());
     }
     Ok(())
+}
+
+/// Which data path a sender or receiver runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Tcp,
+    Verbs,
+}
+
+/// Resolves a `transport` setting (`auto`, `verbs`, `tcp`). `auto` uses verbs when the
+/// configured RDMA device is usable and otherwise says in one log line why it falls back to
+/// tcp; `verbs` without a usable device is an error naming what was looked for.
+pub fn choose(transport: &str, verbs: &verbs::VerbsSettings) -> Result<Kind> {
+    match transport {
+        "tcp" => Ok(Kind::Tcp),
+        "verbs" => verbs::probe(verbs).map(|what| {
+            tracing::info!("transport verbs: {what}");
+            Kind::Verbs
+        }),
+        "auto" => match verbs::probe(verbs) {
+            Ok(what) => {
+                tracing::info!("transport auto: using RDMA verbs on {what}");
+                Ok(Kind::Verbs)
+            }
+            Err(e) => {
+                tracing::info!(
+                    "transport auto: no usable RDMA device ({e}); using the tcp software transport"
+                );
+                Ok(Kind::Tcp)
+            }
+        },
+        other => Err(crate::Error::Invalid {
+            key: "transport".into(),
+            reason: format!("{other:?} is not one of auto, verbs, tcp"),
+        }),
+    }
 }

@@ -94,12 +94,15 @@ impl HeldBytes for SoftHeld {
     }
 }
 
+/// One memory block, lockable from a retained-block handle too.
+type SharedBlock = Arc<Mutex<Box<[u8]>>>;
+
 /// A receiver region in ordinary memory, written by a software "NIC" (the `mem` transport's
 /// poster or the `tcp` transport's receiving thread).
 pub struct SoftRegion {
     layout: RemoteLayout,
     statuses: Box<[AtomicU8]>,
-    blocks: Box<[Arc<Mutex<Box<[u8]>>>]>,
+    blocks: Box<[SharedBlock]>,
     closed: AtomicBool,
     retained: AtomicUsize,
 }
@@ -246,28 +249,68 @@ impl Region for SoftRegion {
     }
 }
 
+/// Send blocks in memory a transport registered itself (the verbs transport registers one
+/// memory region for all of them, once, at start).
+pub trait RegisteredBlocks: Send + Sync {
+    /// Runs `f` with block `i` mutably.
+    fn fill_block(&self, i: usize, f: &mut dyn FnMut(&mut [u8]));
+    /// Runs `f` over the first `len` bytes of block `i`.
+    fn read_block(&self, i: usize, len: usize, f: &mut dyn FnMut(&[u8]));
+    /// For the owning transport to find its registration again.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+enum SendMemory {
+    Plain(Box<[Mutex<Box<[u8]>>]>),
+    Registered(Box<dyn RegisteredBlocks>),
+}
+
 /// The sender's S send blocks (the paper's sending memory blocks). A block belongs to the filling
 /// thread while its local status is 0 and to the sending thread (and the NIC) while it is 1; the
 /// hand-over is by block index over channels, so the per-block lock is never contended.
 pub struct SendBlocks {
     block_size: usize,
-    blocks: Box<[Mutex<Box<[u8]>>]>,
+    count: usize,
+    memory: SendMemory,
 }
 
 impl SendBlocks {
-    /// Allocates `count` blocks of `block_size` bytes, once, at start.
+    /// Allocates `count` blocks of `block_size` bytes in ordinary memory, once, at start.
     pub fn new(count: usize, block_size: usize) -> Arc<SendBlocks> {
+        let blocks = (0..count)
+            .map(|_| Mutex::new(vec![0u8; block_size].into_boxed_slice()))
+            .collect();
         Arc::new(SendBlocks {
             block_size,
-            blocks: (0..count)
-                .map(|_| Mutex::new(vec![0u8; block_size].into_boxed_slice()))
-                .collect(),
+            count,
+            memory: SendMemory::Plain(blocks),
         })
+    }
+
+    /// Send blocks in transport-registered memory.
+    pub fn registered(
+        count: usize,
+        block_size: usize,
+        memory: Box<dyn RegisteredBlocks>,
+    ) -> Arc<SendBlocks> {
+        Arc::new(SendBlocks {
+            block_size,
+            count,
+            memory: SendMemory::Registered(memory),
+        })
+    }
+
+    /// The transport registration, if any.
+    pub fn registration(&self) -> Option<&dyn RegisteredBlocks> {
+        match &self.memory {
+            SendMemory::Registered(r) => Some(r.as_ref()),
+            SendMemory::Plain(_) => None,
+        }
     }
 
     /// Number of send blocks.
     pub fn count(&self) -> usize {
-        self.blocks.len()
+        self.count
     }
 
     /// Bytes per send block.
@@ -277,12 +320,26 @@ impl SendBlocks {
 
     /// Runs `f` with block `i` mutably (the filling thread).
     pub fn fill<R>(&self, i: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        f(&mut self.blocks[i].lock())
+        match &self.memory {
+            SendMemory::Plain(blocks) => f(&mut blocks[i].lock()),
+            SendMemory::Registered(r) => {
+                let (mut f, mut out) = (Some(f), None);
+                r.fill_block(i, &mut |b| out = f.take().map(|f| f(b)));
+                out.expect("fill_block calls back once")
+            }
+        }
     }
 
     /// Runs `f` over the first `len` bytes of block `i` (a transport posting a WRITE).
     pub fn read<R>(&self, i: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
-        f(&self.blocks[i].lock()[..len])
+        match &self.memory {
+            SendMemory::Plain(blocks) => f(&blocks[i].lock()[..len]),
+            SendMemory::Registered(r) => {
+                let (mut f, mut out) = (Some(f), None);
+                r.read_block(i, len, &mut |b| out = f.take().map(|f| f(b)));
+                out.expect("read_block calls back once")
+            }
+        }
     }
 }
 

@@ -105,7 +105,7 @@ pub(crate) fn recv_message(stream: &mut TcpStream) -> std::result::Result<Vec<u8
     Ok(body)
 }
 
-fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
+pub(crate) fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
     addr.to_socket_addrs()?.next().ok_or_else(|| {
         std::io::Error::new(std::io::ErrorKind::NotFound, "address resolves to nothing")
     })
