@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs every check and test: formatting, clippy with warnings as errors, and the whole test suite
-# (unit, simulator, in-process engine, and the real sender/receiver processes over tcp).
+# Runs every check and test: formatting, clippy with warnings as errors, the whole test suite on
+# the host (unit, simulator, in-process engine, and the real sender/receiver processes over tcp),
+# then the process-level suite again over real RDMA verbs on Soft-RoCE in a VM
+# (scripts/test-vm.sh; set RDMASTREAM_SKIP_VM=1 to leave it out locally).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -9,5 +11,8 @@ cargo clippy --workspace --all-targets --release -- -D warnings
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 cargo test --workspace --release 2>&1 | tee "$log"
+if [ -z "${RDMASTREAM_SKIP_VM:-}" ]; then
+  scripts/test-vm.sh 2>&1 | tee -a "$log"
+fi
 # One closing line over every test binary (cargo prints one per binary, doc-tests last).
 awk '/^test result:/ { p += $4; f += $6 } END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

@@ -61,6 +61,8 @@ struct Config {
     #[serde(default = "d_status")]
     status_interval: f64,
     #[serde(default)]
+    first_packet: u16,
+    #[serde(default)]
     rdma_device: Option<String>,
     #[serde(default = "d_port")]
     ib_port: u8,
@@ -325,6 +327,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         send_blocks: cfg.send_blocks,
         block_size: cfg.block_size,
         max_outstanding: cfg.max_outstanding,
+        first_packet: cfg.first_packet,
         ..Default::default()
     };
     tracing::info!(

@@ -9,9 +9,44 @@ use std::time::{Duration, Instant};
 
 static BUILD: Once = Once::new();
 
-/// Path of binary `name`, built (in this test's profile) on first use.
+/// Where and how the tests run: `RDMASTREAM_IT_TRANSPORT` (tcp, verbs), `RDMASTREAM_IT_HOST`
+/// (the address the receiver listens on), `RDMASTREAM_IT_SMALL` (fewer and smaller frames, for
+/// the Soft-RoCE VM under software CPU emulation; implied by verbs).
+pub struct It {
+    pub transport: String,
+    pub host: String,
+    pub small: bool,
+}
+
+/// The test environment.
+pub fn it() -> It {
+    let transport = std::env::var("RDMASTREAM_IT_TRANSPORT").unwrap_or_else(|_| "tcp".into());
+    let small = std::env::var_os("RDMASTREAM_IT_SMALL").is_some() || transport == "verbs";
+    let host = std::env::var("RDMASTREAM_IT_HOST").unwrap_or_else(|_| "127.0.0.1".into());
+    It {
+        transport,
+        host,
+        small,
+    }
+}
+
+impl It {
+    /// `host:port` on the test host.
+    pub fn addr(&self, port: u16) -> String {
+        format!("{}:{port}", self.host)
+    }
+}
+
+/// Path of binary `name`, next to the test's own target directory; built (in this test's profile)
+/// on first use unless `RDMASTREAM_PREBUILT` is set (inside the VM, where cargo cannot run).
 pub fn bin(name: &str) -> PathBuf {
     let release = !cfg!(debug_assertions);
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
+    let beside = exe.parent().and_then(|d| d.parent()).map(|d| d.join(name));
+    if std::env::var_os("RDMASTREAM_PREBUILT").is_some() {
+        return beside.expect("binary next to the test executable");
+    }
     BUILD.call_once(|| {
         let mut cmd = Command::new(env!("CARGO"));
         cmd.args([
@@ -31,12 +66,7 @@ pub fn bin(name: &str) -> PathBuf {
             .expect("running cargo build");
         assert!(status.success(), "building the binaries failed");
     });
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("target"));
-    target
-        .join(if release { "release" } else { "debug" })
-        .join(name)
+    beside.expect("binary next to the test executable")
 }
 
 /// The workspace root.

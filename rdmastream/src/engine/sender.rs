@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Select, Sender, TrySendError};
+use crossbeam_channel::{
+    Receiver, RecvTimeoutError, Select, SendTimeoutError, Sender, TrySendError,
+};
 
 use crate::error::{Error, Result, spawn};
 use crate::proto::handshake::{DataPath, Hello, PROTOCOL_VERSION, QpInfo};
@@ -48,6 +50,9 @@ pub struct SenderOptions {
     /// First and longest wait between reconnect attempts.
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
+    /// First packet number of every device (0 normally; tests start near 65535 to see the
+    /// numbers wrap).
+    pub first_packet: u16,
 }
 
 impl Default for SenderOptions {
@@ -60,6 +65,7 @@ impl Default for SenderOptions {
             max_outstanding: 4,
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
+            first_packet: 0,
         }
     }
 }
@@ -77,6 +83,8 @@ pub struct DeviceInput {
     tx: Sender<Msg>,
     rx: Receiver<Msg>,
     counters: Arc<DeviceCounters>,
+    /// Set once the sender stopped (finished, failed or aborted): nothing will be taken any more.
+    stopped: Arc<AtomicBool>,
 }
 
 impl DeviceInput {
@@ -88,7 +96,21 @@ impl DeviceInput {
     /// Queues a frame under the device's policy. Returns false once the sender has shut down.
     pub fn push(&self, frame: SourceFrame) -> bool {
         match self.policy {
-            DropPolicy::Block => self.tx.send(Msg::Frame(frame)).is_ok(),
+            DropPolicy::Block => {
+                let mut msg = Msg::Frame(frame);
+                loop {
+                    match self.tx.send_timeout(msg, Duration::from_millis(50)) {
+                        Ok(()) => return true,
+                        Err(SendTimeoutError::Disconnected(_)) => return false,
+                        Err(SendTimeoutError::Timeout(m))
+                            if !self.stopped.load(Ordering::Acquire) =>
+                        {
+                            msg = m
+                        }
+                        Err(SendTimeoutError::Timeout(_)) => return false,
+                    }
+                }
+            }
             DropPolicy::DropOldest => {
                 let mut msg = Msg::Frame(frame);
                 loop {
@@ -114,23 +136,28 @@ impl DeviceInput {
     /// dropped, after the queued frames).
     pub fn end(&self) {
         let mut msg = Msg::End;
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
         loop {
+            if self.stopped.load(Ordering::Acquire) {
+                return; // nothing will be sent any more
+            }
             match self.tx.try_send(msg) {
                 Ok(()) | Err(TrySendError::Disconnected(_)) => return,
-                Err(TrySendError::Full(m)) if self.policy == DropPolicy::DropOldest => {
-                    msg = m;
-                    if let Ok(Msg::Frame(_)) = self.rx.try_recv() {
-                        self.counters.drops.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
                 Err(TrySendError::Full(m)) => {
-                    if self.tx.send_timeout(m, Duration::from_secs(1)).is_err() {
+                    msg = m;
+                    if self.policy == DropPolicy::DropOldest {
+                        if let Ok(Msg::Frame(_)) = self.rx.try_recv() {
+                            self.counters.drops.fetch_add(1, Ordering::Relaxed);
+                        }
+                    } else if std::time::Instant::now() >= deadline {
                         tracing::warn!(
                             device = self.device,
-                            "queue still full after 1 s; ending the stream when the input is dropped"
+                            "queue still full after 1 s; the stream ends when the input is dropped"
                         );
+                        return;
+                    } else {
+                        std::thread::sleep(Duration::from_millis(10));
                     }
-                    return;
                 }
             }
         }
@@ -203,9 +230,9 @@ impl SenderHandle {
         let abort = Arc::new(AtomicBool::new(false));
         let live = Arc::new(parking_lot::Mutex::new(SenderStats::default()));
         let filling = {
-            let (blocks, abort) = (blocks.clone(), abort.clone());
+            let (blocks, abort, first_packet) = (blocks.clone(), abort.clone(), opts.first_packet);
             spawn("filling", move || {
-                filling_thread(blocks, control_rx, free_rx, filled_tx, abort)
+                filling_thread(blocks, control_rx, free_rx, filled_tx, abort, first_packet)
             })?
         };
         let counters = Arc::new(Registry::default());
@@ -224,7 +251,14 @@ impl SenderHandle {
                 abort: abort.clone(),
                 live: live.clone(),
             };
-            spawn("sending", move || sending_thread(t, state))?
+            let stopped = abort.clone();
+            spawn("sending", move || {
+                let report = sending_thread(t, state);
+                // Whatever ended the sending thread, nothing more will be sent: release the
+                // filling thread and any source waiting in a full queue.
+                stopped.store(true, Ordering::Release);
+                report
+            })?
         };
         Ok(SenderHandle {
             control: Some(control_tx),
@@ -249,6 +283,7 @@ impl SenderHandle {
             tx,
             rx,
             counters: self.counters.device(&device),
+            stopped: self.abort.clone(),
         }
     }
 
@@ -306,6 +341,7 @@ fn filling_thread(
     free: Receiver<usize>,
     filled: Sender<ToSending>,
     abort: Arc<AtomicBool>,
+    first_packet: u16,
 ) {
     let mut devices: Vec<DeviceState> = Vec::new();
     let mut control_open = true;
@@ -383,7 +419,7 @@ fn filling_thread(
                 Ok(Control::Device(device, rx)) => devices.push(DeviceState {
                     device,
                     rx,
-                    numbering: DeviceNumbering::default(),
+                    numbering: DeviceNumbering::starting_at(first_packet, 0),
                     format: None,
                 }),
                 Err(_) => control_open = false,

@@ -311,7 +311,8 @@ impl Connector for VerbsConnector {
             send_mr,
             send_block_size: blocks.block_size(),
             cache,
-            _side: side,
+            side,
+            side_checked: Instant::now(),
             polled: vec![ibv::Completion::default(); 16],
         }))
     }
@@ -328,7 +329,8 @@ pub struct VerbsConnection {
     send_block_size: usize,
     /// The status cache: destination of the sync READ.
     cache: MemoryRegion,
-    _side: TcpStream,
+    side: TcpStream,
+    side_checked: Instant,
     polled: Vec<ibv::Completion>,
 }
 
@@ -350,6 +352,21 @@ impl VerbsConnection {
         Error::Disconnected {
             peer: self.peer.clone(),
             reason: reason.to_string(),
+        }
+    }
+
+    /// Checks (at most every 50 ms) that the receiver still holds the side channel open.
+    fn check_side_channel(&mut self) -> Result<()> {
+        if self.side_checked.elapsed() < Duration::from_millis(50) {
+            return Ok(());
+        }
+        self.side_checked = Instant::now();
+        let mut byte = [0u8; 1];
+        match self.side.peek(&mut byte) {
+            Ok(0) => Err(self.lost("the receiver closed the side channel")),
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
+            Err(e) => Err(self.lost(format!("side channel: {e}"))),
         }
     }
 }
@@ -420,8 +437,11 @@ impl Connection for VerbsConnection {
                 }
                 out.push(Completion { wr_id: c.wr_id });
             }
-            if n > 0 || start.elapsed() >= timeout {
+            if n > 0 {
                 return Ok(());
+            }
+            if start.elapsed() >= timeout {
+                return self.check_side_channel();
             }
             // Spin briefly (completions on a fast NIC come within microseconds), then back off.
             if start.elapsed() > Duration::from_micros(50) {
