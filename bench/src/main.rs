@@ -28,8 +28,9 @@ use rdmastream::source::SourceFrame;
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{TcpConnector, TcpListenerTransport};
+use rdmastream::transport::verbs::{VerbsConnector, VerbsListener, VerbsSettings};
 use rdmastream::transport::{Connector, Listener, RegionSettings};
-use rdmastream::transport::{RemoteAddr, SendBlocks, Target, WriteSource, WriteWr};
+use rdmastream::transport::{RemoteAddr, Target, WriteSource, WriteWr};
 
 const SIZES: [usize; 10] = [
     64,
@@ -55,13 +56,16 @@ fn main() {
         .unwrap_or(1.0);
     match what {
         "throughput" => throughput(seconds),
+        "verbs" => verbs(seconds),
         "cameras" => cameras(seconds.max(5.0) * 2.0),
         "all" => {
             throughput(seconds);
             cameras(10.0);
         }
         other => {
-            eprintln!("usage: bench [throughput|cameras|all] [--seconds S]  (unknown: {other})");
+            eprintln!(
+                "usage: bench [throughput|cameras|verbs|all] [--seconds S]  (unknown: {other})"
+            );
             std::process::exit(2);
         }
     }
@@ -153,7 +157,7 @@ fn transport_rate(
     mut listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
-    let blocks = SendBlocks::new(8, block);
+    let blocks = connector.alloc_send_blocks(8, block).expect("send blocks");
     let hello = Hello {
         version: PROTOCOL_VERSION,
         sender: "bench".into(),
@@ -396,6 +400,217 @@ fn throughput(secs: f64) {
             100.0 * transport / plain,
             100.0 * tcp / plain
         );
+    }
+}
+
+/// Runs a perftest server/client pair on rxe0 and returns the client's result line's columns.
+/// The client is retried while the server is still starting; a server left waiting is killed.
+fn perftest(tool: &str, args: &[String]) -> Option<Vec<f64>> {
+    let mut server = Command::new(tool)
+        .args(["-d", "rxe0", "-F"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let mut result = None;
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_millis(1000));
+        let Ok(out) = Command::new(tool)
+            .args(["-d", "rxe0", "-F"])
+            .args(args)
+            .arg(VM_HOST)
+            .output()
+        else {
+            break;
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        // The result is the first line after the "#bytes" header.
+        let line = text
+            .lines()
+            .skip_while(|l| !l.trim_start().starts_with("#bytes"))
+            .nth(1);
+        let cols: Vec<f64> = line
+            .map(|l| {
+                l.split_whitespace()
+                    .filter_map(|c| c.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if out.status.success() && !cols.is_empty() {
+            result = Some(cols);
+            break;
+        }
+        if server.try_wait().ok().flatten().is_some() {
+            break;
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    result
+}
+
+const VM_HOST: &str = "192.0.2.1";
+
+/// Our sync: one RDMA READ of `n` status bytes, posted and polled to completion; median and p99
+/// in microseconds over `iters` reads.
+fn sync_latency(n: usize, iters: usize, settings: &VerbsSettings) -> (f64, f64) {
+    let region = RegionSettings {
+        blocks: n,
+        block_size: 4096,
+        token: String::new(),
+        reserved_blocks: vec![],
+    };
+    let mut listener =
+        VerbsListener::bind(&format!("{VM_HOST}:0"), region, settings.clone()).expect("listener");
+    let addr = listener.local_addr();
+    let connector = VerbsConnector::new(addr, settings.clone(), 4).expect("connector");
+    let blocks = connector.alloc_send_blocks(1, 4096).expect("blocks");
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        sender: "lat".into(),
+        token: String::new(),
+        session: 2,
+        data_path: DataPath::Verbs,
+        qp: QpInfo::default(),
+    };
+    let keep = std::thread::spawn(move || {
+        let a = loop {
+            if let Some(a) = listener.accept(Duration::from_millis(50)).unwrap() {
+                break a;
+            }
+        };
+        std::thread::sleep(Duration::from_secs(3600));
+        drop(a);
+    });
+    let mut conn = connector.connect(&hello, &blocks).expect("connect");
+    let mut samples = Vec::with_capacity(iters);
+    let mut done = Vec::new();
+    for i in 0..iters + 50 {
+        let t = Instant::now();
+        conn.post_read(
+            i as u64,
+            RemoteAddr {
+                target: Target::Statuses,
+                offset: 0,
+            },
+            n,
+        )
+        .unwrap();
+        loop {
+            done.clear();
+            conn.poll_completions(&mut done, Duration::from_millis(100))
+                .unwrap();
+            if !done.is_empty() {
+                break;
+            }
+        }
+        if i >= 50 {
+            samples.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    drop(keep);
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (
+        samples[samples.len() / 2],
+        samples[samples.len() * 99 / 100],
+    )
+}
+
+/// Inside the Soft-RoCE VM: our verbs data path and sync next to perftest on the same device,
+/// in one run.
+fn verbs(secs: f64) {
+    let settings = VerbsSettings {
+        device: None,
+        port: 1,
+        gid_index: None,
+    };
+    match rdmastream::transport::verbs::probe(&settings) {
+        Ok(what) => println!(
+            "== verbs on {what}, {secs:.1} s per point; perftest on the same device in the same run =="
+        ),
+        Err(e) => {
+            eprintln!("bench verbs: {e} (run it inside the VM: scripts/bench-vm.sh)");
+            std::process::exit(1);
+        }
+    }
+    println!(
+        "-- throughput: our transport (sending-thread loop over pre-filled blocks, chain = data WRITE + inline status WRITE, sync READ when out of blocks) vs ib_write_bw -s <block>"
+    );
+    println!(
+        "{:>8} {:>12} {:>16} {:>8}",
+        "block", "ours MB/s", "ib_write_bw MB/s", "ratio"
+    );
+    for block in SIZES {
+        eprintln!("   ... {} ours", human(block));
+        let region = RegionSettings {
+            blocks: 16,
+            block_size: block,
+            token: String::new(),
+            reserved_blocks: vec![],
+        };
+        let l = VerbsListener::bind(&format!("{VM_HOST}:0"), region, settings.clone())
+            .expect("listener");
+        let addr = l.local_addr();
+        let ours = transport_rate(
+            block,
+            secs,
+            Box::new(l),
+            Box::new(VerbsConnector::new(addr, settings.clone(), 8).expect("connector")),
+        );
+        eprintln!("   ... {} ib_write_bw", human(block));
+        let iters = ((64usize << 20) / block).clamp(20, 20000);
+        // perftest prints bytes, iterations, BW peak, BW average (MB/s), message rate.
+        let theirs = perftest(
+            "ib_write_bw",
+            &[
+                "-s".into(),
+                block.to_string(),
+                "-n".into(),
+                iters.to_string(),
+            ],
+        )
+        .and_then(|c| c.get(3).copied())
+        .map(|mb| mb * 1.048576); // perftest's MB is MiB
+        match theirs {
+            Some(t) => println!(
+                "{:>8} {:>12.1} {:>16.1} {:>7.0}%",
+                human(block),
+                ours / 1e6,
+                t,
+                100.0 * ours / 1e6 / t
+            ),
+            None => println!(
+                "{:>8} {:>12.1} {:>16} {:>8}",
+                human(block),
+                ours / 1e6,
+                "n/a",
+                "-"
+            ),
+        }
+    }
+    println!(
+        "-- sync latency: our status READ of N bytes (post + poll to completion) vs ib_read_lat -s N (t_typical)"
+    );
+    println!(
+        "{:>6} {:>14} {:>14} {:>22} {:>8}",
+        "N", "ours p50 us", "ours p99 us", "ib_read_lat typical us", "ratio"
+    );
+    for n in [3usize, 8, 16, 32, 64] {
+        let (p50, p99) = sync_latency(n, 1000, &settings);
+        let theirs = perftest(
+            "ib_read_lat",
+            &["-s".into(), n.to_string(), "-n".into(), "1000".into()],
+        )
+        .and_then(|c| c.get(4).copied());
+        match theirs {
+            Some(t) => println!("{n:>6} {p50:>14.1} {p99:>14.1} {t:>22.1} {:>7.2}x", p50 / t),
+            None => println!("{n:>6} {p50:>14.1} {p99:>14.1} {:>22} {:>8}", "n/a", "-"),
+        }
     }
 }
 

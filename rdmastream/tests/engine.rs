@@ -481,3 +481,174 @@ fn a_sink_holding_every_frame_does_not_starve_the_sender() {
     drop(held);
     receiver.stop();
 }
+
+/// Records every event per stream, in order.
+#[derive(Default)]
+struct Events(std::sync::Mutex<Vec<(String, u8, String)>>);
+
+impl rdmastream::engine::FrameSink for Events {
+    fn handle(
+        &self,
+        key: &rdmastream::engine::StreamKey,
+        _: &Arc<rdmastream::stats::DeviceCounters>,
+        event: rdmastream::proto::StreamEvent,
+    ) {
+        use rdmastream::proto::StreamEvent as E;
+        let what = match event {
+            E::Format { .. } => "format".to_string(),
+            E::Frame(f) => format!("frame {}", f.index),
+            E::EndOfStream { .. } => "end".to_string(),
+        };
+        self.0
+            .lock()
+            .unwrap()
+            .push((key.sender.clone(), key.device, what));
+    }
+}
+
+#[test]
+fn a_sender_with_smaller_blocks_than_the_receiver_writes_at_the_receivers_offsets() {
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 8192, vec![]));
+    let sink = Arc::new(Collect::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "small".into(),
+        token: "t0k".into(),
+        send_blocks: 2,
+        block_size: 4096,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
+    stream_frames(
+        &s,
+        1,
+        SourceKind::RadarSynthetic {
+            size: 10_000,
+            rate: 1000.0,
+        },
+        20,
+    )
+    .join()
+    .unwrap();
+    s.finish(Duration::from_secs(10)).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    assert_eq!(receiver.invalid().total(), 0);
+    receiver.stop();
+    assert_eq!(sink.frames.lock().unwrap().len(), 20);
+}
+
+#[test]
+fn a_device_that_ends_and_comes_back_carries_on_numbering() {
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 4096, vec![]));
+    let sink = Arc::new(Events::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "again".into(),
+        token: "t0k".into(),
+        send_blocks: 2,
+        block_size: 4096,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
+    for _ in 0..2 {
+        stream_frames(
+            &s,
+            3,
+            SourceKind::RadarSynthetic {
+                size: 100,
+                rate: 1000.0,
+            },
+            5,
+        )
+        .join()
+        .unwrap();
+    }
+    s.finish(Duration::from_secs(10)).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    receiver.stop();
+    let events: Vec<String> = sink.0.lock().unwrap().iter().map(|e| e.2.clone()).collect();
+    let once = [
+        "format", "frame 0", "frame 1", "frame 2", "frame 3", "frame 4", "end",
+    ];
+    let want: Vec<String> = once
+        .iter()
+        .chain(once.iter())
+        .map(|s| s.to_string())
+        .collect();
+    assert_eq!(events, want);
+}
+
+/// A receiver that stops closes its connections; the sender reconnects to the next receiver on
+/// the same address, which gets each device's format again before any frame.
+#[test]
+fn a_new_receiver_gets_the_format_again_after_a_reconnect() {
+    let listener = TcpListenerTransport::bind("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let first = Arc::new(Events::default());
+    let receiver = ReceiverHandle::start(
+        ReceiverOptions::default(),
+        Box::new(listener),
+        first.clone(),
+    )
+    .unwrap();
+    let opts = SenderOptions {
+        name: "moving".into(),
+        token: "t0k".into(),
+        send_blocks: 2,
+        block_size: 8192,
+        reconnect_min: Duration::from_millis(20),
+        reconnect_max: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr.clone())), 4).unwrap();
+    let input = s.add_device(2, DropPolicy::Block);
+    let mut producer = Producer::new(
+        2,
+        &SourceKind::RadarSynthetic {
+            size: 500,
+            rate: 100.0,
+        },
+    )
+    .unwrap();
+    let mut index = 0;
+    let mut push_until = |sink: &Events, frames: usize, index: &mut u64| {
+        let target = sink.0.lock().unwrap().len() + frames;
+        assert!(
+            wait_until(Duration::from_secs(20), || {
+                input.push(producer.frame(*index));
+                *index += 1;
+                sink.0.lock().unwrap().len() >= target
+            }),
+            "frames did not arrive"
+        );
+    };
+    push_until(&first, 5, &mut index);
+    receiver.stop();
+    let listener = TcpListenerTransport::bind(&addr, settings(4, 8192, vec![])).unwrap();
+    let second = Arc::new(Events::default());
+    let receiver = ReceiverHandle::start(
+        ReceiverOptions::default(),
+        Box::new(listener),
+        second.clone(),
+    )
+    .unwrap();
+    push_until(&second, 5, &mut index);
+    drop(input);
+    s.finish(Duration::from_secs(10)).unwrap();
+    receiver.stop();
+    let events = second.0.lock().unwrap();
+    let first_frame = events
+        .iter()
+        .position(|e| e.2.starts_with("frame"))
+        .unwrap();
+    assert!(
+        events[..first_frame].iter().any(|e| e.2 == "format"),
+        "no format before the first frame: {events:?}"
+    );
+}

@@ -70,6 +70,48 @@ struct SenderState {
     streams: BTreeMap<u8, DeviceStream>,
     connections: usize,
     ended: std::collections::BTreeSet<u8>,
+    /// Frames of devices whose format this receiver has not seen yet (it joined mid-stream, or
+    /// blocks filled before a reconnect overtook the resent format): held until the format comes.
+    before_format: BTreeMap<u8, Vec<StreamEvent>>,
+    formats_seen: std::collections::BTreeSet<u8>,
+}
+
+/// Frames held per device while waiting for its format; beyond that they go on without one.
+const HELD_BEFORE_FORMAT: usize = 16;
+
+impl SenderState {
+    /// Passes events on in order, except that frames before the device's first format are held
+    /// (at most [`HELD_BEFORE_FORMAT`]) and delivered right after it.
+    fn order_after_format(&mut self, device: u8, events: Vec<StreamEvent>) -> Vec<StreamEvent> {
+        let mut out = Vec::with_capacity(events.len());
+        for ev in events {
+            if self.formats_seen.contains(&device) {
+                out.push(ev);
+                continue;
+            }
+            match ev {
+                StreamEvent::Frame(_) => {
+                    let held = self.before_format.entry(device).or_default();
+                    held.push(ev);
+                    if held.len() >= HELD_BEFORE_FORMAT {
+                        // No format is coming: stop waiting.
+                        self.formats_seen.insert(device);
+                        out.append(held);
+                    }
+                }
+                StreamEvent::Format { .. } => {
+                    self.formats_seen.insert(device);
+                    out.push(ev);
+                    out.extend(self.before_format.remove(&device).unwrap_or_default());
+                }
+                StreamEvent::EndOfStream { .. } => {
+                    out.extend(self.before_format.remove(&device).unwrap_or_default());
+                    out.push(ev);
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Counts of invalid blocks, per kind.
@@ -247,12 +289,16 @@ fn accept_loop(
                         streams: BTreeMap::new(),
                         connections: 0,
                         ended: Default::default(),
+                        before_format: Default::default(),
+                        formats_seen: Default::default(),
                     });
                     if state.session != accepted.hello.session {
                         // A new sender process: its numbering starts afresh.
                         state.session = accepted.hello.session;
                         state.streams.clear();
                         state.ended.clear();
+                        state.before_format.clear();
+                        state.formats_seen.clear();
                     }
                     state.connections += 1;
                 }
@@ -310,7 +356,11 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
             idle = shared.opts.poll_min;
             continue;
         }
-        if closed || shared.stop.load(Ordering::Acquire) {
+        if closed {
+            break;
+        }
+        if shared.stop.load(Ordering::Acquire) {
+            region.disconnect();
             break;
         }
         shared.idle_polls.fetch_add(1, Ordering::Relaxed);
@@ -389,6 +439,7 @@ fn route(shared: &Shared, name: &str, p: Packet) {
         stream.handle_packet(Instant::now(), p);
         let events: Vec<_> = std::iter::from_fn(|| stream.poll_event()).collect();
         let gaps = stream.stats().gap_packets;
+        let events = state.order_after_format(device, events);
         if events
             .iter()
             .any(|e| matches!(e, StreamEvent::EndOfStream { .. }))
@@ -421,6 +472,9 @@ fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
                 let events: Vec<_> = std::iter::from_fn(|| stream.poll_event()).collect();
                 pending.push((device, events, stream.stats().gap_packets));
             }
+        }
+        for (device, events, _) in pending.iter_mut() {
+            *events = state.order_after_format(*device, std::mem::take(events));
         }
     }
     for (device, events, gaps) in pending {

@@ -3,7 +3,7 @@
 //! reconnecting with backoff). Sources push into per-device queues ([`DeviceInput`]).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -228,11 +228,25 @@ impl SenderHandle {
         let (filled_tx, filled_rx) = crossbeam_channel::unbounded();
         let (control_tx, control_rx) = crossbeam_channel::unbounded();
         let abort = Arc::new(AtomicBool::new(false));
+        let drops = Arc::new(AtomicU64::new(0));
         let live = Arc::new(parking_lot::Mutex::new(SenderStats::default()));
         let filling = {
-            let (blocks, abort, first_packet) = (blocks.clone(), abort.clone(), opts.first_packet);
+            let (blocks, abort, first_packet, drops) = (
+                blocks.clone(),
+                abort.clone(),
+                opts.first_packet,
+                drops.clone(),
+            );
             spawn("filling", move || {
-                filling_thread(blocks, control_rx, free_rx, filled_tx, abort, first_packet)
+                filling_thread(
+                    blocks,
+                    control_rx,
+                    free_rx,
+                    filled_tx,
+                    abort,
+                    first_packet,
+                    drops,
+                )
             })?
         };
         let counters = Arc::new(Registry::default());
@@ -250,6 +264,7 @@ impl SenderHandle {
                 filled: filled_rx,
                 abort: abort.clone(),
                 live: live.clone(),
+                drops,
             };
             let stopped = abort.clone();
             spawn("sending", move || {
@@ -333,6 +348,9 @@ struct DeviceState {
     rx: Receiver<Msg>,
     numbering: DeviceNumbering,
     format: Option<Arc<str>>,
+    /// Connection drops seen when the format was last sent: after a drop the receiver may be a
+    /// new process that never saw it, so it is sent again before the next frame.
+    format_epoch: u64,
 }
 
 fn filling_thread(
@@ -342,8 +360,10 @@ fn filling_thread(
     filled: Sender<ToSending>,
     abort: Arc<AtomicBool>,
     first_packet: u16,
+    drops: Arc<AtomicU64>,
 ) {
     let mut devices: Vec<DeviceState> = Vec::new();
+    let mut ended: std::collections::HashMap<u8, DeviceNumbering> = Default::default();
     let mut control_open = true;
     let block_size = blocks.block_size();
     // Takes a free send block; gives up only on abort.
@@ -419,8 +439,13 @@ fn filling_thread(
                 Ok(Control::Device(device, rx)) => devices.push(DeviceState {
                     device,
                     rx,
-                    numbering: DeviceNumbering::starting_at(first_packet, 0),
+                    // A device that ended and comes back carries on numbering, so the receiver
+                    // does not take its new packets for duplicates.
+                    numbering: ended
+                        .remove(&device)
+                        .unwrap_or_else(|| DeviceNumbering::starting_at(first_packet, 0)),
                     format: None,
+                    format_epoch: 0,
                 }),
                 Err(_) => control_open = false,
             }
@@ -432,7 +457,9 @@ fn filling_thread(
         let ok = match msg {
             Msg::Frame(f) => {
                 let mut ok = true;
-                if dev.format.as_deref() != Some(&*f.format) {
+                let epoch = drops.load(Ordering::Acquire);
+                if dev.format.as_deref() != Some(&*f.format) || dev.format_epoch != epoch {
+                    dev.format_epoch = epoch;
                     ok = fill(
                         dev,
                         MessageKind::Format,
@@ -463,7 +490,8 @@ fn filling_thread(
                     &[],
                     MessageTimes::at(unix_now_ns()),
                 );
-                devices.remove(pos);
+                let gone = devices.remove(pos);
+                ended.insert(gone.device, gone.numbering);
                 ok
             }
         };
@@ -560,6 +588,8 @@ struct SendingThread {
     filled: Receiver<ToSending>,
     abort: Arc<AtomicBool>,
     live: Arc<parking_lot::Mutex<SenderStats>>,
+    /// Connection drops so far (the filling thread resends formats after one).
+    drops: Arc<AtomicU64>,
 }
 
 fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
@@ -645,9 +675,11 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
             }
             continue;
         };
+        // Remote blocks are the receiver's size, which may exceed our send blocks.
+        let remote_block_size = c.layout().block_size;
         let mut result = Ok(());
         while let Some(action) = s.machine.poll_action(now) {
-            result = execute(c.as_mut(), action, block_size);
+            result = execute(c.as_mut(), action, remote_block_size);
             if result.is_err() {
                 break;
             }
@@ -691,6 +723,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
             tracing::warn!("{e}; reconnecting");
             conn = None;
             s.machine.handle_disconnected();
+            t.drops.fetch_add(1, Ordering::Release);
             next_attempt = Instant::now() + backoff;
         }
     }

@@ -151,6 +151,12 @@ impl Connection for MemConnection {
         self.region.layout()
     }
     fn post_write_chain(&mut self, wr_id: u64, chain: &[WriteWr<'_>]) -> Result<()> {
+        if self.region.is_closed() {
+            return Err(Error::Disconnected {
+                peer: self.peer.clone(),
+                reason: "the receiver went away".into(),
+            });
+        }
         let mut signaled = false;
         for wr in chain {
             let RemoteAddr { target, offset } = wr.remote;

@@ -25,6 +25,9 @@ pub trait Region: Send + Sync {
     fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8]));
     /// True once the sender's connection is gone: nothing will be written any more.
     fn is_closed(&self) -> bool;
+    /// The receiver is done with this sender (it is shutting down): end the connection so the
+    /// sender notices at once instead of writing into a region nobody polls.
+    fn disconnect(&self);
     /// Keeps block `j`, which must be FULL, for the caller: its status byte becomes RETAINED (2),
     /// so the sender skips it, until the returned handle is dropped; then it becomes EMPTY. This is
     /// how a receiver hands a block on without copying it.
@@ -105,6 +108,8 @@ pub struct SoftRegion {
     blocks: Box<[SharedBlock]>,
     closed: AtomicBool,
     retained: AtomicUsize,
+    /// The connection carrying this region's WRITEs, to end it on [`Region::disconnect`].
+    link: Mutex<Option<std::net::TcpStream>>,
 }
 
 /// A remote access that the region's access rights or bounds forbid (what an RNIC reports as a
@@ -141,7 +146,13 @@ impl SoftRegion {
             blocks,
             closed: AtomicBool::new(false),
             retained: AtomicUsize::new(0),
+            link: Mutex::new(None),
         })
+    }
+
+    /// Remembers the connection that writes into this region (see [`Region::disconnect`]).
+    pub fn attach_link(&self, link: std::net::TcpStream) {
+        *self.link.lock() = Some(link);
     }
 
     /// Marks the connection gone.
@@ -233,6 +244,12 @@ impl Region for SoftRegion {
     }
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+    fn disconnect(&self) {
+        if let Some(link) = self.link.lock().take() {
+            let _ = link.shutdown(std::net::Shutdown::Both);
+        }
+        self.close();
     }
     fn retain(self: Arc<Self>, j: usize) -> RetainedBlock {
         let guard = self.blocks[j].lock_arc();

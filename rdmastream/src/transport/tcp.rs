@@ -497,6 +497,9 @@ fn handshake(mut stream: TcpStream, settings: &RegionSettings) -> Option<Accepte
     {
         return None;
     }
+    if let Ok(link) = stream.try_clone() {
+        region.attach_link(link);
+    }
     let nic_region = region.clone();
     let nic_peer = peer.clone();
     spawn(format!("tcp-nic-{}", hello.sender), move || {

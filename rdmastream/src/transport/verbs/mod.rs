@@ -291,8 +291,11 @@ impl Connector for VerbsConnector {
         let qp = qp
             .connect(&endpoint(&welcome.qp))
             .map_err(|e| rdma_err(format!("connecting the queue pair to {peer}"), e))?;
-        // Keep the side channel open: its end tells the receiver we are gone.
+        // Keep the side channel open: its end tells either side that the other is gone (a dead
+        // receiver's queue pair just stops answering on rxe; the side channel says so at once).
+        // Non-blocking, so the liveness check in poll_completions only peeks.
         side.set_read_timeout(None)
+            .and_then(|_| side.set_nonblocking(true))
             .map_err(|e| hs_err(e.to_string()))?;
         let layout = RemoteLayout {
             blocks: welcome.blocks as usize,
@@ -473,6 +476,8 @@ pub struct VerbsRegion {
     blocks: MemoryRegion,
     closed: AtomicBool,
     retained: AtomicUsize,
+    /// The side channel, to end the connection on [`Region::disconnect`].
+    side: Mutex<Option<TcpStream>>,
     _qp: ConnectedQp,
     _cq: CompletionQueue,
     _pd: ProtectionDomain,
@@ -509,6 +514,12 @@ impl Region for VerbsRegion {
     }
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+    fn disconnect(&self) {
+        if let Some(side) = self.side.lock().take() {
+            let _ = side.shutdown(Shutdown::Both);
+        }
+        self.closed.store(true, Ordering::Release);
     }
     fn retain(self: Arc<Self>, j: usize) -> RetainedBlock {
         self.set_status(j, status::RETAINED);
@@ -649,6 +660,9 @@ fn handshake(
                 return None;
             }
             let _ = side.set_read_timeout(None);
+            if let Ok(clone) = side.try_clone() {
+                *region.side.lock() = Some(clone);
+            }
             let watched = region.clone();
             let name = hello.sender.clone();
             // The side channel's end is the sender's end: then no more WRITEs will come.
@@ -738,6 +752,7 @@ fn build_region(
         blocks,
         closed: AtomicBool::new(false),
         retained: AtomicUsize::new(0),
+        side: Mutex::new(None),
         _qp: qp,
         _cq: cq,
         _pd: pd,
