@@ -9,6 +9,11 @@ packages=(
   # against the system's libibverbs headers and links libibverbs at run time; ibverbs-providers
   # holds the rxe (Soft-RoCE) and hardware providers.
   cmake clang libclang-dev libibverbs-dev libnl-3-dev libnl-route-3-dev libibverbs1 ibverbs-providers
+  # gst-plugin (rdmasink/rdmasrc): gstreamer-rs builds against the -dev packages (gst-check
+  # included); gst-launch-1.0 and the elements its tests and gst-bench use: videotestsrc,
+  # videoconvert, tcp (base), jpegenc, multifilesink (good), gdppay, shmsink (bad).
+  libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-tools
+  gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -103,6 +103,8 @@ struct DeviceConfig {
     id: u32,
     format: Option<String>,
     keep: Option<usize>,
+    /// Sink "gstreamer": frames go into `appsrc ! <pipeline>` instead of files.
+    pipeline: Option<String>,
 }
 
 fn d_listen() -> String {
@@ -311,6 +313,20 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         DirectorySink::new(sink_opts)
             .with_context(|| format!("output directory {}", cfg.out.display()))?,
     );
+    // Devices with a `pipeline` go to GStreamer (gst-plugin's LaunchSinks), the rest to files.
+    let launches: HashMap<u8, String> = cfg
+        .device
+        .iter()
+        .filter_map(|d| Some((d.id as u8, d.pipeline.clone()?)))
+        .collect();
+    let sink: Arc<dyn rdmastream::engine::FrameSink> = if launches.is_empty() {
+        sink
+    } else {
+        Arc::new(
+            gstrdma::app::LaunchSinks::new(launches, sink)
+                .map_err(|e| ConfigError::new(&file, "device.pipeline", e))?,
+        )
+    };
     let receiver = ReceiverHandle::start(opts, listener, sink)?;
     tracing::info!(
         "receiver listening on {} ({}), {} blocks of {} bytes per sender, writing to {}",

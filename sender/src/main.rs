@@ -89,6 +89,8 @@ struct DeviceConfig {
     size: Option<usize>,
     rate: Option<f64>,
     dir: Option<PathBuf>,
+    /// source = "gstreamer": a launch string ending in appsink.
+    pipeline: Option<String>,
     #[serde(default = "d_policy")]
     policy: String,
 }
@@ -118,10 +120,24 @@ fn d_policy() -> String {
     "drop-oldest".into()
 }
 
+/// Where a device's frames come from.
+#[derive(Clone)]
+enum Source {
+    Builtin(SourceKind),
+    /// A GStreamer launch string ending in appsink (gst-plugin's `LaunchSource`).
+    Gstreamer(String),
+}
+
 struct Device {
     id: u8,
-    kind: SourceKind,
+    kind: Source,
     policy: DropPolicy,
+}
+
+/// A device's source, ready to run on its thread.
+enum Runner {
+    Builtin(Producer),
+    Gstreamer(gstrdma::app::LaunchSource),
 }
 
 fn validate(cfg: &Config, file: &Path) -> Result<Vec<Device>, ConfigError> {
@@ -194,21 +210,21 @@ fn validate(cfg: &Config, file: &Path) -> Result<Vec<Device>, ConfigError> {
         let kind = match d.source.as_str() {
             "camera-synthetic" => {
                 let (width, height) = dims(640, 480)?;
-                SourceKind::CameraSynthetic {
+                Source::Builtin(SourceKind::CameraSynthetic {
                     width,
                     height,
                     fps: positive("fps", d.fps, 25.0)?,
-                }
+                })
             }
             "radar-synthetic" => {
                 let size = d.size.unwrap_or(65536);
                 if size == 0 || size > 256 << 20 {
                     return Err(err(&key("size"), format!("{size} is not in 1..=256 MiB")));
                 }
-                SourceKind::RadarSynthetic {
+                Source::Builtin(SourceKind::RadarSynthetic {
                     size,
                     rate: positive("rate", d.rate, 20.0)?,
-                }
+                })
             }
             "images" => {
                 let (width, height) = dims(640, 480)?;
@@ -218,20 +234,37 @@ fn validate(cfg: &Config, file: &Path) -> Result<Vec<Device>, ConfigError> {
                 } else {
                     dir
                 };
-                SourceKind::Images {
+                Source::Builtin(SourceKind::Images {
                     dir,
                     width,
                     height,
                     fps: positive("fps", d.fps, 25.0)?,
-                }
+                })
             }
+            "gstreamer" => match d.pipeline.as_deref().map(str::trim) {
+                Some(p) if !p.is_empty() => Source::Gstreamer(p.to_string()),
+                _ => {
+                    return Err(err(
+                        &key("pipeline"),
+                        "source \"gstreamer\" needs a launch string ending in appsink".into(),
+                    ));
+                }
+            },
             other => {
                 return Err(err(
                     &key("source"),
-                    format!("{other:?} is not one of camera-synthetic, radar-synthetic, images"),
+                    format!(
+                        "{other:?} is not one of camera-synthetic, radar-synthetic, images, gstreamer"
+                    ),
                 ));
             }
         };
+        if d.pipeline.is_some() && !matches!(kind, Source::Gstreamer(_)) {
+            return Err(err(
+                &key("pipeline"),
+                "only source \"gstreamer\" takes a pipeline".into(),
+            ));
+        }
         let policy = match d.policy.as_str() {
             "drop-oldest" => DropPolicy::DropOldest,
             "block" => DropPolicy::Block,
@@ -317,8 +350,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     // Build every producer first so a bad image directory fails before anything streams.
     let mut producers = Vec::new();
     for d in &devices {
-        let p = Producer::new(d.id, &d.kind)
-            .with_context(|| format!("device {} in {}", d.id, file.display()))?;
+        let p = match &d.kind {
+            Source::Builtin(kind) => Runner::Builtin(
+                Producer::new(d.id, kind)
+                    .with_context(|| format!("device {} in {}", d.id, file.display()))?,
+            ),
+            Source::Gstreamer(launch) => Runner::Gstreamer(
+                gstrdma::app::LaunchSource::new(d.id, launch)
+                    .map_err(anyhow::Error::msg)
+                    .with_context(|| format!("device {} in {}", d.id, file.display()))?,
+            ),
+        };
         producers.push((d, p));
     }
     let opts = SenderOptions {
@@ -360,7 +402,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             std::thread::Builder::new()
                 .name(format!("source-{}", d.id))
                 .spawn(move || {
-                    producer.run(&stop, None, |f| input.push(f));
+                    match producer {
+                        Runner::Builtin(p) => p.run(&stop, None, |f| input.push(f)),
+                        Runner::Gstreamer(p) => {
+                            if let Err(e) = p.run(&stop, |f| input.push(f)) {
+                                tracing::error!("{e}; ending the device");
+                            }
+                        }
+                    }
                     input.end();
                 })
                 .context("starting a source thread")?,
@@ -384,6 +433,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 m.retained_skipped
             );
             if sender.is_finished() {
+                return false;
+            }
+            // Every source ended by itself (finite gstreamer pipelines): finish and exit.
+            if sources.iter().all(|s| s.is_finished()) {
                 return false;
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {

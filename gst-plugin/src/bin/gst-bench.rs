@@ -1,0 +1,433 @@
+//! `gst-bench`: rdmasink/rdmasrc (over the tcp software transport, or `--transport verbs`)
+//! against tcpserversink/tcpclientsrc (with gdppay/gdpdepay) and shmsink/shmsrc, side by side in
+//! one run: 640×480 RGB at 25 fps (live) and unthrottled. Prints frames per second at the
+//! receiver, latency p50/p99 (sender's sink input → receiver's sink input) and CPU of each
+//! process. A benchmark, not a test: it prints figures and asserts nothing.
+//!
+//! Each run starts a sending and a receiving process (this binary in a child role), so CPU is
+//! measured per side. A pad probe before the sending element writes a magic, the monotonic
+//! clock and a sequence number into the first bytes of each frame; a probe at the receiver's
+//! sink reads them (both processes read the same CLOCK_MONOTONIC). Figures are taken over a
+//! window that starts after a warm-up, at the same instant in both processes.
+//!
+//! ```sh
+//! cargo run --release -p gst-plugin-rdma --bin gst-bench -- [--seconds 5] [--warmup 1]
+//! ```
+
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gst::prelude::*;
+
+const WIDTH: u32 = 640;
+const HEIGHT: u32 = 480;
+const MAGIC: [u8; 8] = *b"RDSBENCH";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    Rdma,
+    Tcp,
+    Shm,
+}
+
+impl Variant {
+    fn parse(s: &str) -> Variant {
+        match s {
+            "rdma" => Variant::Rdma,
+            "tcp" => Variant::Tcp,
+            "shm" => Variant::Shm,
+            other => panic!("unknown variant {other}"),
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Rdma => "rdma",
+            Variant::Tcp => "tcp",
+            Variant::Shm => "shm",
+        }
+    }
+    fn label(self, transport: &str) -> String {
+        match self {
+            Variant::Rdma => format!("rdmasink/rdmasrc ({transport})"),
+            Variant::Tcp => "gdppay ! tcpserversink / tcpclientsrc ! gdpdepay".into(),
+            Variant::Shm => "shmsink/shmsrc".into(),
+        }
+    }
+    /// Which side must be up first (the other connects to it).
+    fn sender_is_server(self) -> bool {
+        self != Variant::Rdma
+    }
+}
+
+struct Run {
+    variant: Variant,
+    live: bool,
+    transport: String,
+    port: u16,
+    socket: String,
+}
+
+fn caps() -> String {
+    format!("video/x-raw,format=RGB,width={WIDTH},height={HEIGHT},framerate=25/1")
+}
+
+impl Run {
+    fn send_pipeline(&self) -> String {
+        let (port, socket, transport) = (self.port, &self.socket, &self.transport);
+        // Unthrottled: not live and nobody syncs to the clock, so frames go as fast as the
+        // slowest element allows. Black frames keep the source's own cost small.
+        let src = format!(
+            "videotestsrc is-live={} pattern=black ! {} ! identity name=stamp drop-allocation=true",
+            self.live,
+            caps()
+        );
+        let sink = match self.variant {
+            Variant::Rdma => {
+                format!("rdmasink host=127.0.0.1 port={port} transport={transport} sync=false")
+            }
+            // A bounded client queue that skips to the newest buffer when the client lags,
+            // instead of growing without limit.
+            Variant::Tcp => format!(
+                "gdppay ! tcpserversink host=127.0.0.1 port={port} sync=false \
+                 buffers-soft-max=16 recover-policy=latest"
+            ),
+            Variant::Shm => format!(
+                "shmsink socket-path={socket} shm-size={} wait-for-connection=true sync=false",
+                8 * WIDTH * HEIGHT * 3
+            ),
+        };
+        format!("{src} ! {sink}")
+    }
+
+    fn recv_pipeline(&self) -> String {
+        let (port, socket, transport) = (self.port, &self.socket, &self.transport);
+        let src = match self.variant {
+            Variant::Rdma => format!("rdmasrc address=127.0.0.1 port={port} transport={transport}"),
+            Variant::Tcp => format!("tcpclientsrc host=127.0.0.1 port={port} ! gdpdepay"),
+            // shmsrc carries no caps: they have to be known in advance.
+            Variant::Shm => format!("shmsrc socket-path={socket} is-live=true ! {}", caps()),
+        };
+        format!("{src} ! fakesink name=out sync=false")
+    }
+}
+
+/// CPU time of this process so far (user + system), from /proc.
+fn cpu_time() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // utime and stime are fields 14 and 15; USER_HZ is 100 on Linux.
+    Duration::from_millis((ticks(11) + ticks(12)) * 10)
+}
+
+fn now_ns() -> u64 {
+    gst::get_timestamp().nseconds()
+}
+
+fn sleep_until(t_ns: u64) {
+    let now = now_ns();
+    if t_ns > now {
+        std::thread::sleep(Duration::from_nanos(t_ns - now));
+    }
+}
+
+#[derive(Default)]
+struct Received {
+    frames: u64,
+    latencies_ns: Vec<u64>,
+}
+
+/// One side of a run: plays its pipeline, measures over [start, end], prints one RESULT line.
+fn child(args: &[String]) {
+    let get = |k: &str| {
+        args.windows(2)
+            .find(|w| w[0] == k)
+            .map(|w| w[1].clone())
+            .unwrap_or_else(|| panic!("missing {k}"))
+    };
+    let role = get("--role");
+    let run = Run {
+        variant: Variant::parse(&get("--variant")),
+        live: get("--live") == "true",
+        transport: get("--transport"),
+        port: get("--port").parse().unwrap(),
+        socket: get("--socket"),
+    };
+    let start: u64 = get("--start").parse().unwrap();
+    let end: u64 = get("--end").parse().unwrap();
+    gst::init().unwrap();
+    gstrdma::plugin_register_static().unwrap();
+    let launch = if role == "send" {
+        run.send_pipeline()
+    } else {
+        run.recv_pipeline()
+    };
+    let pipeline = gst::parse::launch(&launch)
+        .unwrap_or_else(|e| panic!("{launch}: {e}"))
+        .downcast::<gst::Pipeline>()
+        .unwrap();
+    let received = Arc::new(Mutex::new(Received::default()));
+    if role == "send" {
+        let seq = Arc::new(AtomicU64::new(0));
+        let pad = pipeline
+            .by_name("stamp")
+            .unwrap()
+            .static_pad("src")
+            .unwrap();
+        pad.add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+            if let Some(gst::PadProbeData::Buffer(buffer)) = &mut info.data {
+                let buffer = buffer.make_mut();
+                if let Ok(mut map) = buffer.map_writable() {
+                    let n = seq.fetch_add(1, Ordering::Relaxed);
+                    map[0..8].copy_from_slice(&MAGIC);
+                    map[8..16].copy_from_slice(&now_ns().to_le_bytes());
+                    map[16..24].copy_from_slice(&n.to_le_bytes());
+                }
+            }
+            gst::PadProbeReturn::Ok
+        });
+    } else {
+        let received = received.clone();
+        let pad = pipeline.by_name("out").unwrap().static_pad("sink").unwrap();
+        pad.add_probe(gst::PadProbeType::BUFFER, move |_, info| {
+            if let Some(gst::PadProbeData::Buffer(buffer)) = &info.data {
+                let now = now_ns();
+                if (start..end).contains(&now)
+                    && let Ok(map) = buffer.map_readable()
+                    && map.len() >= 24
+                    && map[0..8] == MAGIC
+                {
+                    let sent = u64::from_le_bytes(map[8..16].try_into().unwrap());
+                    let mut r = received.lock().unwrap();
+                    r.frames += 1;
+                    r.latencies_ns.push(now.saturating_sub(sent));
+                }
+            }
+            gst::PadProbeReturn::Ok
+        });
+    }
+    pipeline.set_state(gst::State::Playing).unwrap();
+    let bus = pipeline.bus().unwrap();
+    let check_bus = || {
+        while let Some(msg) = bus.pop_filtered(&[gst::MessageType::Error]) {
+            if let gst::MessageView::Error(e) = msg.view() {
+                eprintln!("{role} ({launch}): {} ({:?})", e.error(), e.debug());
+                std::process::exit(1);
+            }
+        }
+    };
+    while now_ns() < start {
+        check_bus();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cpu0 = cpu_time();
+    sleep_until(end);
+    let cpu = cpu_time().saturating_sub(cpu0);
+    check_bus();
+    let window = Duration::from_nanos(end - start);
+    let mut r = received.lock().unwrap();
+    r.latencies_ns.sort_unstable();
+    let q = |p: f64| -> u64 {
+        if r.latencies_ns.is_empty() {
+            0
+        } else {
+            let i = ((r.latencies_ns.len() - 1) as f64 * p).round() as usize;
+            r.latencies_ns[i] / 1000
+        }
+    };
+    println!(
+        "RESULT frames={} p50_us={} p99_us={} cpu_pct={:.1}",
+        r.frames,
+        q(0.5),
+        q(0.99),
+        100.0 * cpu.as_secs_f64() / window.as_secs_f64()
+    );
+    // Tearing down may wait for a peer that is already gone; the figures are out.
+    std::process::exit(0);
+}
+
+fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--role",
+            role,
+            "--variant",
+            run.variant.name(),
+            "--live",
+            if run.live { "true" } else { "false" },
+            "--transport",
+            &run.transport,
+            "--port",
+            &run.port.to_string(),
+            "--socket",
+            &run.socket,
+            "--start",
+            &start.to_string(),
+            "--end",
+            &end.to_string(),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("starting a benchmark process")
+}
+
+/// The RESULT line of a finished child, as key → value.
+fn result(child: Child) -> Option<std::collections::HashMap<String, f64>> {
+    let out = child.wait_with_output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("RESULT "))?;
+    Some(
+        line.split_whitespace()
+            .skip(1)
+            .filter_map(|kv| kv.split_once('='))
+            .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+            .collect(),
+    )
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits (bounded) until the server side is reachable, so the client does not fail to connect.
+fn wait_ready(run: &Run) {
+    for _ in 0..500 {
+        let ready = match run.variant {
+            Variant::Rdma => true,
+            Variant::Tcp => std::net::TcpStream::connect(("127.0.0.1", run.port)).is_ok(),
+            Variant::Shm => std::path::Path::new(&run.socket).exists(),
+        };
+        if ready {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--role") {
+        child(&args);
+        return;
+    }
+    let opt = |k: &str, default: &str| {
+        args.windows(2)
+            .find(|w| w[0] == k)
+            .map(|w| w[1].clone())
+            .unwrap_or_else(|| default.to_string())
+    };
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!(
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto] [--only rdma,tcp,shm]\n\
+             Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
+             for 640x480 RGB at 25 fps and unthrottled."
+        );
+        return;
+    }
+    let seconds: f64 = opt("--seconds", "5").parse().expect("--seconds");
+    let warmup: f64 = opt("--warmup", "1").parse().expect("--warmup");
+    let transport = opt("--transport", "tcp");
+    let only = opt("--only", "rdma,tcp,shm");
+    gst::init().unwrap();
+    let dir = std::env::temp_dir().join(format!("gst-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    println!(
+        "640x480 RGB (921600-byte frames); sender and receiver in separate processes on this \
+         machine; {seconds} s measured per run after {warmup} s warm-up"
+    );
+    println!(
+        "latency: sender's sink input -> receiver's sink input; CPU: % of one core per process\n"
+    );
+    println!("| elements | rate | fps | latency p50 | latency p99 | CPU sender | CPU receiver |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut unthrottled_fps = Vec::new();
+    for live in [true, false] {
+        for variant in [Variant::Rdma, Variant::Tcp, Variant::Shm] {
+            if !only.split(',').any(|v| v == variant.name()) {
+                continue;
+            }
+            let run = Run {
+                variant,
+                live,
+                transport: transport.clone(),
+                port: free_port(),
+                socket: dir
+                    .join(format!("shm-{}-{live}", variant.name()))
+                    .display()
+                    .to_string(),
+            };
+            let _ = std::fs::remove_file(&run.socket);
+            let start = now_ns() + Duration::from_secs_f64(2.0 + warmup).as_nanos() as u64;
+            let end = start + Duration::from_secs_f64(seconds).as_nanos() as u64;
+            let (server, client) = if variant.sender_is_server() {
+                ("send", "recv")
+            } else {
+                ("recv", "send")
+            };
+            let first = spawn_role(server, &run, start, end);
+            wait_ready(&run);
+            let second = spawn_role(client, &run, start, end);
+            let (send, recv) = if server == "send" {
+                (result(first), result(second))
+            } else {
+                let recv = result(first);
+                (result(second), recv)
+            };
+            let rate = if live { "25 fps" } else { "unthrottled" };
+            let (Some(send), Some(recv)) = (send, recv) else {
+                println!(
+                    "| {} | {rate} | failed | | | | |",
+                    variant.label(&transport)
+                );
+                continue;
+            };
+            let fps = recv["frames"] / seconds;
+            if !live {
+                unthrottled_fps.push((variant, fps));
+            }
+            println!(
+                "| {} | {rate} | {fps:.1} | {:.2} ms | {:.2} ms | {:.0} % | {:.0} % |",
+                variant.label(&transport),
+                recv["p50_us"] / 1000.0,
+                recv["p99_us"] / 1000.0,
+                send["cpu_pct"],
+                recv["cpu_pct"],
+            );
+        }
+    }
+    let fps_of = |v| {
+        unthrottled_fps
+            .iter()
+            .find(|(x, _)| *x == v)
+            .map(|(_, f)| *f)
+    };
+    if let (Some(r), Some(t)) = (fps_of(Variant::Rdma), fps_of(Variant::Tcp)) {
+        println!(
+            "\nunthrottled throughput rdmasink/rdmasrc ÷ tcpserversink/tcpclientsrc: {:.2}",
+            r / t
+        );
+    }
+    if let (Some(r), Some(s)) = (fps_of(Variant::Rdma), fps_of(Variant::Shm)) {
+        println!(
+            "unthrottled throughput rdmasink/rdmasrc ÷ shmsink/shmsrc: {:.2}",
+            r / s
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

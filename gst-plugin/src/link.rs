@@ -1,0 +1,420 @@
+//! The sender side shared by `rdmasink` elements: one core sender (one connection, one queue
+//! pair, one filling and one sending thread) per (transport, receiver, sender name) in the
+//! process, the paper's multi-device shared QP. Each element leases one device number on it.
+//!
+//! The core's sending thread connects and reconnects by itself; to tell the elements what it is
+//! doing (connected, failed, lost, refused) the connector it gets is wrapped in an observer
+//! ([`ObservedConnector`]) that records every outcome in a [`LinkState`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
+
+use rdmastream::engine::{DeviceInput, SenderHandle, SenderOptions};
+use rdmastream::proto::RemoteLayout;
+use rdmastream::proto::handshake::Hello;
+use rdmastream::source::SourceFrame;
+use rdmastream::stats::DeviceCounters;
+use rdmastream::transport::{Completion, Connection, Connector, RemoteAddr, SendBlocks, WriteWr};
+
+use crate::transport::{self, Transport, VerbsSettings};
+
+/// Frames queued per device between an element and the filling thread.
+pub const QUEUE_DEPTH: usize = 4;
+
+/// What identifies a shared sender.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SenderKey {
+    pub transport: Transport,
+    /// `host:port` of the receiver.
+    pub peer: String,
+    /// Sender name presented in the handshake.
+    pub name: String,
+}
+
+/// A snapshot of what the connection has been doing.
+#[derive(Debug, Clone, Default)]
+pub struct LinkStatus {
+    /// A connection is up.
+    pub connected: bool,
+    /// Connections made so far.
+    pub connections: u64,
+    /// The last connect failure or connection loss, naming the peer.
+    pub error: Option<String>,
+    /// Counts errors: an element notices a new one when this moves.
+    pub errors: u64,
+    /// A failure reconnecting cannot cure (refused handshake, unusable block size).
+    pub fatal: Option<String>,
+}
+
+/// Shared between the observer (written from the sending thread) and the elements.
+#[derive(Debug, Default)]
+pub struct LinkState {
+    status: Mutex<LinkStatus>,
+}
+
+impl LinkState {
+    pub fn status(&self) -> LinkStatus {
+        self.status.lock().unwrap().clone()
+    }
+
+    fn connected(&self) {
+        let mut s = self.status.lock().unwrap();
+        s.connected = true;
+        s.connections += 1;
+    }
+
+    fn failed(&self, error: String, fatal: bool) {
+        let mut s = self.status.lock().unwrap();
+        s.connected = false;
+        s.errors += 1;
+        if fatal {
+            s.fatal = Some(error.clone());
+        }
+        s.error = Some(error);
+    }
+
+    fn closed(&self) {
+        self.status.lock().unwrap().connected = false;
+    }
+}
+
+/// Wraps the core's connector to record each outcome in a [`LinkState`].
+struct ObservedConnector {
+    inner: Box<dyn Connector>,
+    link: Arc<LinkState>,
+}
+
+impl Connector for ObservedConnector {
+    fn transport(&self) -> &'static str {
+        self.inner.transport()
+    }
+
+    fn peer(&self) -> String {
+        self.inner.peer()
+    }
+
+    fn alloc_send_blocks(
+        &self,
+        count: usize,
+        block_size: usize,
+    ) -> rdmastream::Result<Arc<SendBlocks>> {
+        self.inner.alloc_send_blocks(count, block_size)
+    }
+
+    fn connect(
+        &self,
+        hello: &Hello,
+        blocks: &Arc<SendBlocks>,
+    ) -> rdmastream::Result<Box<dyn Connection>> {
+        match self.inner.connect(hello, blocks) {
+            Ok(conn) => {
+                let (offered, own) = (conn.layout().block_size, blocks.block_size());
+                // A sender's blocks must fit the receiver's (smaller ones are fine). Refusing
+                // here stops the sending thread with a message saying what to set.
+                if offered < own {
+                    let reason = format!(
+                        "the receiver uses {offered}-byte blocks, smaller than this sender's \
+                         {own}: set block-size={offered} or less"
+                    );
+                    let e = rdmastream::Error::Refused {
+                        peer: conn.peer().to_string(),
+                        reason,
+                    };
+                    self.link.failed(e.to_string(), true);
+                    return Err(e);
+                }
+                self.link.connected();
+                Ok(Box::new(ObservedConnection {
+                    inner: conn,
+                    link: self.link.clone(),
+                }))
+            }
+            Err(e) => {
+                let fatal = matches!(e, rdmastream::Error::Refused { .. });
+                self.link.failed(e.to_string(), fatal);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Wraps one connection to record its loss.
+struct ObservedConnection {
+    inner: Box<dyn Connection>,
+    link: Arc<LinkState>,
+}
+
+impl ObservedConnection {
+    fn observe<T>(&self, r: rdmastream::Result<T>) -> rdmastream::Result<T> {
+        if let Err(e) = &r {
+            self.link.failed(e.to_string(), false);
+        }
+        r
+    }
+}
+
+impl Connection for ObservedConnection {
+    fn peer(&self) -> &str {
+        self.inner.peer()
+    }
+    fn layout(&self) -> RemoteLayout {
+        self.inner.layout()
+    }
+    fn post_write_chain(&mut self, wr_id: u64, chain: &[WriteWr<'_>]) -> rdmastream::Result<()> {
+        let r = self.inner.post_write_chain(wr_id, chain);
+        self.observe(r)
+    }
+    fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> rdmastream::Result<()> {
+        let r = self.inner.post_read(wr_id, remote, len);
+        self.observe(r)
+    }
+    fn poll_completions(
+        &mut self,
+        out: &mut Vec<Completion>,
+        timeout: Duration,
+    ) -> rdmastream::Result<()> {
+        let r = self.inner.poll_completions(out, timeout);
+        self.observe(r)
+    }
+    fn read_buffer(&self) -> Vec<u8> {
+        self.inner.read_buffer()
+    }
+}
+
+impl Drop for ObservedConnection {
+    fn drop(&mut self) {
+        self.link.closed();
+    }
+}
+
+/// One core sender and the devices leased on it.
+pub struct SharedSender {
+    key: SenderKey,
+    handle: Mutex<Option<SenderHandle>>,
+    link: Arc<LinkState>,
+    /// Device number → name of the element streaming it.
+    devices: Mutex<BTreeMap<u8, String>>,
+    block_size: usize,
+}
+
+impl SharedSender {
+    fn is_finished(&self) -> bool {
+        self.handle
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_none_or(|h| h.is_finished())
+    }
+}
+
+static SENDERS: LazyLock<Mutex<HashMap<SenderKey, Arc<SharedSender>>>> =
+    LazyLock::new(Default::default);
+
+/// One element's device on a shared sender.
+pub struct DeviceLease {
+    shared: Arc<SharedSender>,
+    device: u8,
+    input: Mutex<Option<DeviceInput>>,
+    counters: Arc<DeviceCounters>,
+    /// Frames pushed by this lease, plus the device's written + dropped count when it started.
+    pushed: AtomicU64,
+}
+
+/// What the element asks for.
+pub struct LeaseRequest<'a> {
+    pub key: SenderKey,
+    /// Everything but the name, which comes from `key`.
+    pub opts: SenderOptions,
+    pub verbs: VerbsSettings,
+    pub element: &'a str,
+    pub device: u8,
+}
+
+impl DeviceLease {
+    /// Leases `device` on the shared sender for `key`, starting the sender if there is none.
+    pub fn acquire(req: LeaseRequest<'_>) -> Result<Arc<DeviceLease>, String> {
+        let mut senders = SENDERS.lock().unwrap();
+        let shared = match senders.get(&req.key) {
+            Some(s) if !s.is_finished() => {
+                if s.block_size != req.opts.block_size {
+                    tracing::warn!(
+                        "{}: joining the connection to {} with block-size {} (this element asks \
+                         for {}; the first element's settings apply)",
+                        req.element,
+                        req.key.peer,
+                        s.block_size,
+                        req.opts.block_size
+                    );
+                }
+                s.clone()
+            }
+            _ => {
+                let inner = transport::connector(
+                    req.key.transport,
+                    &req.key.peer,
+                    &req.verbs,
+                    req.opts.max_outstanding,
+                )?;
+                let link = Arc::new(LinkState::default());
+                let connector = ObservedConnector {
+                    inner,
+                    link: link.clone(),
+                };
+                let block_size = req.opts.block_size;
+                let opts = SenderOptions {
+                    name: req.key.name.clone(),
+                    ..req.opts
+                };
+                let handle = SenderHandle::start(opts, Box::new(connector), QUEUE_DEPTH)
+                    .map_err(|e| format!("cannot start sending to {}: {e}", req.key.peer))?;
+                let shared = Arc::new(SharedSender {
+                    key: req.key.clone(),
+                    handle: Mutex::new(Some(handle)),
+                    link,
+                    devices: Mutex::new(BTreeMap::new()),
+                    block_size,
+                });
+                senders.insert(req.key.clone(), shared.clone());
+                shared
+            }
+        };
+        let mut devices = shared.devices.lock().unwrap();
+        if let Some(other) = devices.get(&req.device) {
+            return Err(format!(
+                "device-id {} is already streamed by {other} on the connection to {} as '{}'",
+                req.device, shared.key.peer, shared.key.name
+            ));
+        }
+        let guard = shared.handle.lock().unwrap();
+        let handle = guard.as_ref().expect("running while registered");
+        // The core's queue never blocks (drop-oldest); `block` is done by the element waiting
+        // for room first (see `in_flight`), which, unlike a blocked push, can be interrupted.
+        let input = handle.add_device(req.device, rdmastream::engine::DropPolicy::DropOldest);
+        let counters = handle.counters().device(&req.device);
+        drop(guard);
+        devices.insert(req.device, req.element.to_string());
+        drop(devices);
+        let done = counters.frames.load(Ordering::Relaxed) + counters.drops.load(Ordering::Relaxed);
+        Ok(Arc::new(DeviceLease {
+            shared: shared.clone(),
+            device: req.device,
+            input: Mutex::new(Some(input)),
+            counters,
+            pushed: AtomicU64::new(done),
+        }))
+    }
+
+    /// The receiver, for messages.
+    pub fn peer(&self) -> &str {
+        &self.shared.key.peer
+    }
+
+    /// The sender name used on the connection.
+    pub fn sender_name(&self) -> &str {
+        &self.shared.key.name
+    }
+
+    /// What the connection has been doing.
+    pub fn link(&self) -> LinkStatus {
+        self.shared.link.status()
+    }
+
+    /// True once the core sender stopped (refused, or shut down).
+    pub fn sender_stopped(&self) -> bool {
+        self.shared.is_finished()
+    }
+
+    /// Frames handed over and neither fully written nor dropped yet.
+    pub fn in_flight(&self) -> u64 {
+        let done = self.counters.frames.load(Ordering::Relaxed)
+            + self.counters.drops.load(Ordering::Relaxed);
+        self.pushed.load(Ordering::Relaxed).saturating_sub(done)
+    }
+
+    /// Frames fully written, bytes, frames dropped.
+    pub fn counts(&self) -> (u64, u64, u64) {
+        (
+            self.counters.frames.load(Ordering::Relaxed),
+            self.counters.bytes.load(Ordering::Relaxed),
+            self.counters.drops.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Queues a frame (never blocks: a full queue drops its oldest frame). False once ended.
+    pub fn push(&self, frame: SourceFrame) -> bool {
+        let input = self.input.lock().unwrap();
+        let Some(input) = input.as_ref() else {
+            return false;
+        };
+        self.pushed.fetch_add(1, Ordering::Relaxed);
+        input.push(frame)
+    }
+
+    /// Ends the device's stream: end-of-stream follows the queued frames.
+    pub fn end(&self) {
+        if let Some(input) = self.input.lock().unwrap().take() {
+            input.end();
+        }
+    }
+
+    /// Gives the device back. The last element on a sender stops it, waiting up to `linger` for
+    /// what is queued (and the end-of-stream blocks) to be written.
+    pub fn release(self: Arc<Self>, linger: Duration) {
+        // Dropping the input ends the device's stream if `end` was not called.
+        self.input.lock().unwrap().take();
+        let shared = self.shared.clone();
+        let handle = {
+            let mut senders = SENDERS.lock().unwrap();
+            let mut devices = shared.devices.lock().unwrap();
+            devices.remove(&self.device);
+            if !devices.is_empty() {
+                return;
+            }
+            if senders
+                .get(&shared.key)
+                .is_some_and(|s| Arc::ptr_eq(s, &shared))
+            {
+                senders.remove(&shared.key);
+            }
+            shared.handle.lock().unwrap().take()
+        };
+        if let Some(handle) = handle {
+            match handle.finish(linger) {
+                Ok(report) if report.unsent > 0 => tracing::warn!(
+                    "sender '{}': {} blocks to {} could not be written before stopping",
+                    shared.key.name,
+                    report.unsent,
+                    shared.key.peer
+                ),
+                Ok(_) => {}
+                Err(e) => tracing::warn!("sender '{}': {e}", shared.key.name),
+            }
+        }
+    }
+}
+
+/// The default sender name: this host and process, so senders of different processes never
+/// share a name (the receiver keeps per-name state).
+pub fn default_sender_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(40)
+        .collect::<String>();
+    let host = if host.is_empty() || host == "." || host == ".." {
+        "gst".to_string()
+    } else {
+        host
+    };
+    format!("{host}-{}", std::process::id())
+}

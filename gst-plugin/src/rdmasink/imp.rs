@@ -1,0 +1,665 @@
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use gst::glib;
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+use gst_base::prelude::*;
+use gst_base::subclass::prelude::*;
+
+use rdmastream::bytes::Bytes;
+use rdmastream::engine::SenderOptions;
+use rdmastream::source::SourceFrame;
+use rdmastream::stats::unix_now_ns;
+
+use crate::link::{self, DeviceLease, LeaseRequest, QUEUE_DEPTH, SenderKey};
+use crate::transport::{DropPolicy, Transport, VerbsSettings, join_host_port};
+
+static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
+    gst::DebugCategory::new(
+        "rdmasink",
+        gst::DebugColorFlags::empty(),
+        Some("RDMA (status-byte) sink"),
+    )
+});
+
+const DEFAULT_HOST: &str = "127.0.0.1";
+const DEFAULT_PORT: u32 = 7471;
+const DEFAULT_TRANSPORT: Transport = Transport::Auto;
+const DEFAULT_DEVICE_ID: u32 = 0;
+const DEFAULT_BLOCKS: u32 = 8;
+const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
+const DEFAULT_IB_PORT: u32 = 1;
+const DEFAULT_GID_INDEX: i32 = -1;
+const DEFAULT_DROP_POLICY: DropPolicy = DropPolicy::Block;
+const DEFAULT_RECONNECT: bool = true;
+
+/// How long stopping after EOS waits for the last blocks (and end-of-stream) to be written.
+const LINGER_AFTER_EOS: Duration = Duration::from_secs(5);
+/// How long stopping without EOS waits: the pipeline was interrupted, do not hold it up.
+const LINGER_INTERRUPTED: Duration = Duration::from_millis(200);
+/// How long READY→PAUSED waits for the first connection with `reconnect=false` (the core's TCP
+/// connect and handshake timeouts are 3 s and 5 s).
+const FIRST_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone)]
+struct Settings {
+    host: String,
+    port: u32,
+    transport: Transport,
+    device_id: u32,
+    blocks: u32,
+    block_size: u32,
+    rdma_device: Option<String>,
+    ib_port: u32,
+    gid_index: i32,
+    auth_token: Option<String>,
+    sender_name: Option<String>,
+    drop_policy: DropPolicy,
+    reconnect: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            host: DEFAULT_HOST.into(),
+            port: DEFAULT_PORT,
+            transport: DEFAULT_TRANSPORT,
+            device_id: DEFAULT_DEVICE_ID,
+            blocks: DEFAULT_BLOCKS,
+            block_size: DEFAULT_BLOCK_SIZE,
+            rdma_device: None,
+            ib_port: DEFAULT_IB_PORT,
+            gid_index: DEFAULT_GID_INDEX,
+            auth_token: None,
+            sender_name: None,
+            drop_policy: DEFAULT_DROP_POLICY,
+            reconnect: DEFAULT_RECONNECT,
+        }
+    }
+}
+
+struct Started {
+    lease: Arc<DeviceLease>,
+    drop_policy: DropPolicy,
+    reconnect: bool,
+    /// Caps text of the current caps: it travels as the device's format (the core sends it
+    /// when it changes and again after every reconnect).
+    caps: Option<Arc<str>>,
+    next_index: u64,
+    /// Link errors seen so far (counting from the element's start), and the text of the one
+    /// last warned about while the link is down.
+    errors_seen: u64,
+    warned: Option<String>,
+    eos: bool,
+    /// An error was posted: the element does not go on.
+    failed: bool,
+}
+
+#[derive(Default)]
+enum State {
+    #[default]
+    Stopped,
+    Started(Started),
+}
+
+#[derive(Default)]
+pub struct RdmaSink {
+    settings: Mutex<Settings>,
+    state: Mutex<State>,
+    /// Set between `unlock` and `unlock_stop`: every wait gives up.
+    flushing: AtomicBool,
+}
+
+#[glib::object_subclass]
+impl ObjectSubclass for RdmaSink {
+    const NAME: &'static str = "GstRdmaSink";
+    type Type = super::RdmaSink;
+    type ParentType = gst_base::BaseSink;
+}
+
+/// Why the element cannot go on.
+enum Stop {
+    Flushing,
+    Error,
+}
+
+impl From<Stop> for gst::FlowError {
+    fn from(s: Stop) -> Self {
+        match s {
+            Stop::Flushing => gst::FlowError::Flushing,
+            Stop::Error => gst::FlowError::Error,
+        }
+    }
+}
+
+impl RdmaSink {
+    /// Posts an error or warning for link problems the sending thread met since the last call.
+    fn check_link(&self) -> Result<(), Stop> {
+        let mut state = self.state.lock().unwrap();
+        let State::Started(s) = &mut *state else {
+            return Err(Stop::Flushing);
+        };
+        if s.failed {
+            // Already reported.
+            return Err(Stop::Error);
+        }
+        let link = s.lease.link();
+        let peer = s.lease.peer().to_string();
+        if let Some(fatal) = link.fatal {
+            s.failed = true;
+            drop(state);
+            gst::element_imp_error!(
+                self,
+                gst::ResourceError::OpenWrite,
+                ("Cannot stream to receiver {peer}"),
+                ["{fatal}"]
+            );
+            return Err(Stop::Error);
+        }
+        if link.errors > s.errors_seen {
+            s.errors_seen = link.errors;
+            let error = link.error.unwrap_or_default();
+            if !s.reconnect {
+                s.failed = true;
+                drop(state);
+                gst::element_imp_error!(
+                    self,
+                    gst::ResourceError::Write,
+                    ("Connection to receiver {peer} failed"),
+                    ["{error} (reconnect=false)"]
+                );
+                return Err(Stop::Error);
+            }
+            // One warning message per outage, and again only when the reason changes (the
+            // sending thread retries every 100 ms to 5 s).
+            if s.warned.as_deref() != Some(error.as_str()) {
+                s.warned = Some(error.clone());
+                drop(state);
+                gst::element_imp_warning!(
+                    self,
+                    gst::ResourceError::Write,
+                    ("Connection to receiver {peer} failed; reconnecting"),
+                    ["{error}"]
+                );
+            }
+            return Ok(());
+        }
+        if link.connected && s.warned.take().is_some() {
+            gst::info!(CAT, imp = self, "connected to {peer} again");
+        }
+        if s.lease.sender_stopped() {
+            s.failed = true;
+            drop(state);
+            gst::element_imp_error!(
+                self,
+                gst::ResourceError::Write,
+                ("Sending to receiver {peer} stopped"),
+                ["the sending thread ended; see the rdmastream debug category"]
+            );
+            return Err(Stop::Error);
+        }
+        Ok(())
+    }
+
+    /// Waits until the device has fewer than `limit` frames in flight, giving up on flushing
+    /// or a link error.
+    fn wait_in_flight(&self, lease: &DeviceLease, limit: u64) -> Result<(), Stop> {
+        let mut pause = Duration::from_micros(20);
+        let mut next_check = Instant::now();
+        while lease.in_flight() >= limit {
+            if self.flushing.load(Ordering::Acquire) {
+                return Err(Stop::Flushing);
+            }
+            if Instant::now() >= next_check {
+                self.check_link()?;
+                next_check = Instant::now() + Duration::from_millis(20);
+            }
+            // The core does not signal written frames; poll with a short, growing pause.
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// The capture time of `buffer` in ns since the UNIX epoch: now, minus how long ago the
+    /// pipeline clock passed the buffer's running time (a live source's buffers carry their
+    /// capture time as running time). Also returns the running time of its PTS.
+    fn times(&self, buffer: &gst::BufferRef) -> (u64, Option<u64>) {
+        let now = unix_now_ns();
+        let obj = self.obj();
+        let segment = obj.segment();
+        let running = buffer.pts().and_then(|pts| {
+            segment
+                .downcast_ref::<gst::ClockTime>()
+                .and_then(|s| s.to_running_time(pts))
+        });
+        let capture = match (running, obj.clock(), obj.base_time()) {
+            (Some(running), Some(clock), Some(base)) => {
+                let age = clock.time().saturating_sub(running + base).nseconds();
+                now.saturating_sub(age)
+            }
+            _ => now,
+        };
+        (capture, running.map(|r| r.nseconds()))
+    }
+
+    fn settings(&self) -> Settings {
+        self.settings.lock().unwrap().clone()
+    }
+}
+
+/// Caps in the text form that travels.
+fn caps_text(caps: &gst::CapsRef) -> Arc<str> {
+    Arc::from(caps.to_string().as_str())
+}
+
+impl ObjectImpl for RdmaSink {
+    fn properties() -> &'static [glib::ParamSpec] {
+        static PROPERTIES: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(|| {
+            vec![
+                glib::ParamSpecString::builder("host")
+                    .nick("Host")
+                    .blurb("Receiver host name or address")
+                    .default_value(Some(DEFAULT_HOST))
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("port")
+                    .nick("Port")
+                    .blurb("Receiver port")
+                    .minimum(1)
+                    .maximum(65535)
+                    .default_value(DEFAULT_PORT)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecEnum::builder_with_default("transport", DEFAULT_TRANSPORT)
+                    .nick("Transport")
+                    .blurb("Data path: auto (verbs when an RDMA device is usable, else tcp), verbs, or tcp (software emulation)")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("device-id")
+                    .nick("Device ID")
+                    .blurb("Device number of this stream (0-255); unique among the sinks sharing a connection")
+                    .maximum(255)
+                    .default_value(DEFAULT_DEVICE_ID)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("blocks")
+                    .nick("Send blocks")
+                    .blurb("Local send blocks of the connection (set by the first sink of a shared connection)")
+                    .minimum(1)
+                    .maximum(4096)
+                    .default_value(DEFAULT_BLOCKS)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("block-size")
+                    .nick("Block size")
+                    .blurb("Bytes per block including the 52-byte header and trailer; must not exceed the receiver's. Larger buffers span several blocks")
+                    .minimum(rdmastream::proto::OVERHEAD as u32 + 1)
+                    .maximum(1 << 30)
+                    .default_value(DEFAULT_BLOCK_SIZE)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("rdma-device")
+                    .nick("RDMA device")
+                    .blurb("RDMA device for transport=verbs (e.g. rxe0, mlx5_0); NULL: the first one")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("ib-port")
+                    .nick("IB port")
+                    .blurb("Port of the RDMA device for transport=verbs, from 1")
+                    .minimum(1)
+                    .maximum(255)
+                    .default_value(DEFAULT_IB_PORT)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecInt::builder("gid-index")
+                    .nick("GID index")
+                    .blurb("GID table index for transport=verbs; -1: chosen like perftest (IPv4-mapped RoCE v2, not link-local)")
+                    .minimum(-1)
+                    .maximum(1023)
+                    .default_value(DEFAULT_GID_INDEX)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("auth-token")
+                    .nick("Auth token")
+                    .blurb("Shared secret the receiver requires, if it has one")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("sender-name")
+                    .nick("Sender name")
+                    .blurb("Name of this sender at the receiver (1-64 of A-Z a-z 0-9 . _ -); NULL: <hostname>-<pid>")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecEnum::builder_with_default("drop-policy", DEFAULT_DROP_POLICY)
+                    .nick("Drop policy")
+                    .blurb("When the link is slower than the stream: block (wait, lossless) or drop-oldest (live; drops are counted in stats)")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecBoolean::builder("reconnect")
+                    .nick("Reconnect")
+                    .blurb("Retry an unreachable or lost receiver with backoff (posting warnings) instead of posting an error")
+                    .default_value(DEFAULT_RECONNECT)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
+                    .nick("Statistics")
+                    .blurb("frames-written, bytes-written, frames-dropped, in-flight, connected, connections, sender-name")
+                    .read_only()
+                    .build(),
+            ]
+        });
+        PROPERTIES.as_ref()
+    }
+
+    fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
+        let mut s = self.settings.lock().unwrap();
+        match pspec.name() {
+            "host" => {
+                s.host = value
+                    .get::<Option<String>>()
+                    .expect("type checked upstream")
+                    .unwrap_or_else(|| DEFAULT_HOST.into())
+            }
+            "port" => s.port = value.get().expect("type checked upstream"),
+            "transport" => s.transport = value.get().expect("type checked upstream"),
+            "device-id" => s.device_id = value.get().expect("type checked upstream"),
+            "blocks" => s.blocks = value.get().expect("type checked upstream"),
+            "block-size" => s.block_size = value.get().expect("type checked upstream"),
+            "rdma-device" => s.rdma_device = value.get().expect("type checked upstream"),
+            "ib-port" => s.ib_port = value.get().expect("type checked upstream"),
+            "gid-index" => s.gid_index = value.get().expect("type checked upstream"),
+            "auth-token" => s.auth_token = value.get().expect("type checked upstream"),
+            "sender-name" => s.sender_name = value.get().expect("type checked upstream"),
+            "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
+            "reconnect" => s.reconnect = value.get().expect("type checked upstream"),
+            other => unimplemented!("property {other}"),
+        }
+    }
+
+    fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
+        let s = self.settings.lock().unwrap();
+        match pspec.name() {
+            "host" => s.host.to_value(),
+            "port" => s.port.to_value(),
+            "transport" => s.transport.to_value(),
+            "device-id" => s.device_id.to_value(),
+            "blocks" => s.blocks.to_value(),
+            "block-size" => s.block_size.to_value(),
+            "rdma-device" => s.rdma_device.to_value(),
+            "ib-port" => s.ib_port.to_value(),
+            "gid-index" => s.gid_index.to_value(),
+            "auth-token" => s.auth_token.to_value(),
+            "sender-name" => s.sender_name.to_value(),
+            "drop-policy" => s.drop_policy.to_value(),
+            "reconnect" => s.reconnect.to_value(),
+            "stats" => {
+                drop(s);
+                let state = self.state.lock().unwrap();
+                let mut b = gst::Structure::builder("application/x-rdmasink-stats");
+                if let State::Started(st) = &*state {
+                    let (frames, bytes, dropped) = st.lease.counts();
+                    let link = st.lease.link();
+                    b = b
+                        .field("frames-written", frames)
+                        .field("bytes-written", bytes)
+                        .field("frames-dropped", dropped)
+                        .field("in-flight", st.lease.in_flight())
+                        .field("connected", link.connected)
+                        .field("connections", link.connections)
+                        .field("sender-name", st.lease.sender_name());
+                }
+                b.build().to_value()
+            }
+            other => unimplemented!("property {other}"),
+        }
+    }
+}
+
+impl GstObjectImpl for RdmaSink {}
+
+impl ElementImpl for RdmaSink {
+    fn metadata() -> Option<&'static gst::subclass::ElementMetadata> {
+        static ELEMENT_METADATA: LazyLock<gst::subclass::ElementMetadata> = LazyLock::new(|| {
+            gst::subclass::ElementMetadata::new(
+                "RDMA sink",
+                "Sink/Network",
+                "Streams buffers as one device of a sender to an rdmasrc or rdmastream receiver \
+                 over one-sided RDMA (status-byte-assisted) or its TCP emulation",
+                "rdmastream developers",
+            )
+        });
+        Some(&*ELEMENT_METADATA)
+    }
+
+    fn pad_templates() -> &'static [gst::PadTemplate] {
+        static PAD_TEMPLATES: LazyLock<Vec<gst::PadTemplate>> = LazyLock::new(|| {
+            vec![
+                gst::PadTemplate::new(
+                    "sink",
+                    gst::PadDirection::Sink,
+                    gst::PadPresence::Always,
+                    &gst::Caps::new_any(),
+                )
+                .expect("valid template"),
+            ]
+        });
+        PAD_TEMPLATES.as_ref()
+    }
+}
+
+impl BaseSinkImpl for RdmaSink {
+    fn start(&self) -> Result<(), gst::ErrorMessage> {
+        let settings = self.settings();
+        let name = settings
+            .sender_name
+            .clone()
+            .unwrap_or_else(link::default_sender_name);
+        if !rdmastream::proto::handshake::valid_sender_name(&name) {
+            return Err(gst::error_msg!(
+                gst::ResourceError::Settings,
+                ("sender-name {name:?} is not 1-64 characters of A-Z a-z 0-9 . _ -")
+            ));
+        }
+        let token = settings.auth_token.clone().unwrap_or_default();
+        if token.len() > 255 {
+            return Err(gst::error_msg!(
+                gst::ResourceError::Settings,
+                ("auth-token is longer than 255 bytes")
+            ));
+        }
+        let peer = join_host_port(&settings.host, settings.port);
+        let element = self.obj().name().to_string();
+        let lease = DeviceLease::acquire(LeaseRequest {
+            key: SenderKey {
+                transport: settings.transport,
+                peer: peer.clone(),
+                name,
+            },
+            opts: SenderOptions {
+                name: String::new(),
+                token,
+                send_blocks: settings.blocks as usize,
+                block_size: settings.block_size as usize,
+                ..Default::default()
+            },
+            verbs: VerbsSettings {
+                device: settings.rdma_device.clone(),
+                port: settings.ib_port as u8,
+                gid_index: u32::try_from(settings.gid_index).ok(),
+            },
+            element: &element,
+            device: settings.device_id as u8,
+        })
+        .map_err(|e| {
+            gst::error_msg!(
+                gst::ResourceError::OpenWrite,
+                (
+                    "Cannot stream to receiver {peer} ({})",
+                    settings.transport.nick()
+                ),
+                ["{e}"]
+            )
+        })?;
+        let link = lease.link();
+        if !settings.reconnect {
+            // Connect now, so that an unreachable receiver fails the state change.
+            let deadline = Instant::now() + FIRST_CONNECT_TIMEOUT;
+            let mut link = lease.link();
+            while link.connections == 0
+                && link.errors == 0
+                && !lease.sender_stopped()
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(2));
+                link = lease.link();
+            }
+            if link.connections == 0 {
+                let why = link
+                    .fatal
+                    .or(link.error)
+                    .unwrap_or_else(|| "no connection within 10 s".into());
+                lease.release(Duration::ZERO);
+                return Err(gst::error_msg!(
+                    gst::ResourceError::OpenWrite,
+                    (
+                        "Cannot connect to receiver {peer} ({})",
+                        settings.transport.nick()
+                    ),
+                    ["{why} (reconnect=false)"]
+                ));
+            }
+        }
+        gst::info!(
+            CAT,
+            imp = self,
+            "device {} of sender '{}' to {peer}",
+            settings.device_id,
+            lease.sender_name()
+        );
+        *self.state.lock().unwrap() = State::Started(Started {
+            lease,
+            drop_policy: settings.drop_policy,
+            reconnect: settings.reconnect,
+            caps: None,
+            next_index: 0,
+            errors_seen: link.errors,
+            warned: None,
+            eos: false,
+            failed: false,
+        });
+        Ok(())
+    }
+
+    fn stop(&self) -> Result<(), gst::ErrorMessage> {
+        let state = std::mem::take(&mut *self.state.lock().unwrap());
+        if let State::Started(s) = state {
+            let linger = if s.eos {
+                LINGER_AFTER_EOS
+            } else {
+                LINGER_INTERRUPTED
+            };
+            s.lease.release(linger);
+        }
+        Ok(())
+    }
+
+    fn set_caps(&self, caps: &gst::Caps) -> Result<(), gst::LoggableError> {
+        gst::debug!(CAT, imp = self, "caps {caps}");
+        if let State::Started(s) = &mut *self.state.lock().unwrap() {
+            s.caps = Some(caps_text(caps));
+        }
+        Ok(())
+    }
+
+    fn render(&self, buffer: &gst::Buffer) -> Result<gst::FlowSuccess, gst::FlowError> {
+        self.check_link()?;
+        let (lease, policy) = match &*self.state.lock().unwrap() {
+            State::Started(s) => (s.lease.clone(), s.drop_policy),
+            State::Stopped => return Err(gst::FlowError::Flushing),
+        };
+        if policy == DropPolicy::Block {
+            self.wait_in_flight(&lease, QUEUE_DEPTH as u64)?;
+        }
+        let (timestamp_ns, pts_ns) = self.times(buffer);
+        let duration_ns = buffer
+            .duration()
+            .map_or(0, |d| d.nseconds().min(u32::MAX as u64) as u32);
+        let data = buffer.clone().into_mapped_buffer_readable().map_err(|_| {
+            gst::element_imp_error!(self, gst::ResourceError::Read, ("Cannot map buffer"));
+            gst::FlowError::Error
+        })?;
+        let frame = {
+            let mut state = self.state.lock().unwrap();
+            let State::Started(s) = &mut *state else {
+                return Err(gst::FlowError::Flushing);
+            };
+            let Some(caps) = &s.caps else {
+                drop(state);
+                gst::element_imp_error!(
+                    self,
+                    gst::CoreError::Negotiation,
+                    ("No caps before the first buffer")
+                );
+                return Err(gst::FlowError::NotNegotiated);
+            };
+            let index = s.next_index;
+            s.next_index += 1;
+            SourceFrame {
+                index,
+                timestamp_ns,
+                duration_ns,
+                pts_ns,
+                format: caps.clone(),
+                // No copy here: the filling thread copies straight from the buffer's memory.
+                data: Bytes::from_owner(data),
+            }
+        };
+        gst::trace!(
+            CAT,
+            imp = self,
+            "frame {} of {} bytes",
+            frame.index,
+            frame.data.len()
+        );
+        if !lease.push(frame) {
+            return Err(gst::FlowError::Flushing);
+        }
+        Ok(gst::FlowSuccess::Ok)
+    }
+
+    fn event(&self, event: gst::Event) -> bool {
+        if let gst::EventView::Eos(_) = event.view() {
+            let lease = match &*self.state.lock().unwrap() {
+                State::Started(s) => Some(s.lease.clone()),
+                State::Stopped => None,
+            };
+            if let Some(lease) = lease {
+                // Everything before EOS is written before the EOS message is posted, so a
+                // pipeline that exits on it loses nothing.
+                match self.wait_in_flight(&lease, 1) {
+                    Ok(()) => {}
+                    Err(Stop::Flushing) => return false,
+                    Err(Stop::Error) => return false,
+                }
+                lease.end();
+                if let State::Started(s) = &mut *self.state.lock().unwrap() {
+                    s.eos = true;
+                }
+                gst::debug!(CAT, imp = self, "end of stream sent to {}", lease.peer());
+            }
+        }
+        self.parent_event(event)
+    }
+
+    fn unlock(&self) -> Result<(), gst::ErrorMessage> {
+        self.flushing.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn unlock_stop(&self) -> Result<(), gst::ErrorMessage> {
+        self.flushing.store(false, Ordering::Release);
+        Ok(())
+    }
+}

@@ -1,0 +1,53 @@
+//! `rdmasink`: streams buffers to an `rdmasrc` (or the rdmastream `receiver`) as one device of a
+//! sender, over one-sided RDMA with the status-byte-assisted mechanism, or its TCP emulation.
+//!
+//! Every buffer becomes one frame of the device: the core's filling thread copies it into send
+//! blocks (several when it is larger than a block), the sending thread writes them into the
+//! receiver's memory blocks and sets their status bytes. Caps are sent whenever they are set or
+//! change; PTS (as running time) and duration travel in the block header; EOS reaches the far
+//! side as end-of-stream of the device.
+//!
+//! All `rdmasink` elements of a process with the same `host`, `port`, `transport` and
+//! `sender-name` share one connection (one queue pair), each with its own `device-id`.
+//!
+//! ## Example
+//!
+//! ```sh
+//! gst-launch-1.0 rdmasrc port=7471 device-id=3 ! videoconvert ! autovideosink &
+//! gst-launch-1.0 videotestsrc is-live=true ! \
+//!     video/x-raw,format=RGB,width=640,height=480,framerate=25/1 ! \
+//!     rdmasink host=127.0.0.1 port=7471 device-id=3
+//! ```
+//!
+//! ## Connection
+//!
+//! With `reconnect=true` (default) a receiver that cannot be reached or goes away is retried
+//! with backoff (100 ms doubling to 5 s) and a warning message is posted for each new problem;
+//! meanwhile buffers wait (`drop-policy=block`) or the oldest queued ones are dropped
+//! (`drop-policy=drop-oldest`). With `reconnect=false` the element connects in the
+//! READY→PAUSED change and posts an error naming the receiver when that or the connection
+//! later fails. A receiver that refuses the handshake (auth token) is always an error.
+//!
+//! EOS: everything queued is written before the EOS message is posted, then end-of-stream
+//! follows. A sink stopped without EOS ends its device's stream as well (the receiver sees
+//! end-of-stream, not a lost sender); only a lost connection leaves the receiver waiting.
+//!
+//! For now `block-size` must equal the receiver's (the element says so when they differ).
+
+use gst::glib;
+use gst::prelude::*;
+
+mod imp;
+
+glib::wrapper! {
+    pub struct RdmaSink(ObjectSubclass<imp::RdmaSink>) @extends gst_base::BaseSink, gst::Element, gst::Object;
+}
+
+pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
+    gst::Element::register(
+        Some(plugin),
+        "rdmasink",
+        gst::Rank::NONE,
+        RdmaSink::static_type(),
+    )
+}

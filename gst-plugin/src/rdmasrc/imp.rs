@@ -1,0 +1,681 @@
+use std::str::FromStr;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
+
+use gst::glib;
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+use gst_base::prelude::*;
+use gst_base::subclass::base_src::CreateSuccess;
+use gst_base::subclass::prelude::*;
+
+use rdmastream::proto::Frame;
+use rdmastream::transport::RegionSettings;
+
+use super::TimestampMode;
+use crate::route::{Item, ListenKey, Popped, Route, RouteLease, RouteRequest, SenderTable};
+use crate::transport::{DropPolicy, Transport, VerbsSettings, join_host_port};
+
+static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
+    gst::DebugCategory::new(
+        "rdmasrc",
+        gst::DebugColorFlags::empty(),
+        Some("RDMA (status-byte) source"),
+    )
+});
+
+const DEFAULT_ADDRESS: &str = "0.0.0.0";
+const DEFAULT_PORT: u32 = 7471;
+const DEFAULT_TRANSPORT: Transport = Transport::Auto;
+const DEFAULT_DEVICE_ID: u32 = 0;
+const DEFAULT_BLOCKS: u32 = 16;
+const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
+const DEFAULT_IB_PORT: u32 = 1;
+const DEFAULT_GID_INDEX: i32 = -1;
+const DEFAULT_TIMESTAMP_MODE: TimestampMode = TimestampMode::Sender;
+const DEFAULT_LATENCY_MS: u32 = 0;
+const DEFAULT_MAX_BUFFERS: u32 = 8;
+const DEFAULT_DROP_POLICY: DropPolicy = DropPolicy::Block;
+const DEFAULT_WAIT_FOR_SENDER: bool = true;
+
+/// How often a waiting `create` looks at whether its sender is still connected.
+const IDLE_CHECK: Duration = Duration::from_millis(50);
+/// In `sender` mode, a buffer whose shifted PTS is further than this from its arrival starts a
+/// new mapping (a new sender, or one that was away): marked DISCONT.
+const RESYNC_THRESHOLD: gst::ClockTime = gst::ClockTime::from_seconds(1);
+
+#[derive(Debug, Clone)]
+struct Settings {
+    address: String,
+    port: u32,
+    transport: Transport,
+    device_id: u32,
+    sender_name: Option<String>,
+    blocks: u32,
+    block_size: u32,
+    rdma_device: Option<String>,
+    ib_port: u32,
+    gid_index: i32,
+    auth_token: Option<String>,
+    timestamp_mode: TimestampMode,
+    latency_ms: u32,
+    max_buffers: u32,
+    drop_policy: DropPolicy,
+    wait_for_sender: bool,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            address: DEFAULT_ADDRESS.into(),
+            port: DEFAULT_PORT,
+            transport: DEFAULT_TRANSPORT,
+            device_id: DEFAULT_DEVICE_ID,
+            sender_name: None,
+            blocks: DEFAULT_BLOCKS,
+            block_size: DEFAULT_BLOCK_SIZE,
+            rdma_device: None,
+            ib_port: DEFAULT_IB_PORT,
+            gid_index: DEFAULT_GID_INDEX,
+            auth_token: None,
+            timestamp_mode: DEFAULT_TIMESTAMP_MODE,
+            latency_ms: DEFAULT_LATENCY_MS,
+            max_buffers: DEFAULT_MAX_BUFFERS,
+            drop_policy: DEFAULT_DROP_POLICY,
+            wait_for_sender: DEFAULT_WAIT_FOR_SENDER,
+        }
+    }
+}
+
+struct Started {
+    lease: RouteLease,
+    route: Arc<Route>,
+    senders: Arc<SenderTable>,
+    timestamp_mode: TimestampMode,
+    wait_for_sender: bool,
+    caps: Option<gst::Caps>,
+    /// From the caps' framerate, else the last buffer's duration.
+    frame_duration: Option<gst::ClockTime>,
+    /// `sender` mode: added to the sender's timestamp (ns, signed).
+    offset: Option<i128>,
+    next_index: Option<u64>,
+    frames: u64,
+    bytes: u64,
+    frames_before_caps: u64,
+    /// Idle checks in a row that found the sender gone, and whether that was reported.
+    gone_checks: u32,
+    gone_reported: bool,
+}
+
+#[derive(Default)]
+enum State {
+    #[default]
+    Stopped,
+    Started(Box<Started>),
+}
+
+#[derive(Default)]
+pub struct RdmaSrc {
+    settings: Mutex<Settings>,
+    state: Mutex<State>,
+}
+
+#[glib::object_subclass]
+impl ObjectSubclass for RdmaSrc {
+    const NAME: &'static str = "GstRdmaSrc";
+    type Type = super::RdmaSrc;
+    type ParentType = gst_base::PushSrc;
+}
+
+impl RdmaSrc {
+    fn settings(&self) -> Settings {
+        self.settings.lock().unwrap().clone()
+    }
+
+    /// Sets new caps from a FORMAT message.
+    fn handle_format(&self, descriptor: &[u8]) -> Result<(), gst::FlowError> {
+        let text = String::from_utf8_lossy(descriptor);
+        let text = text.trim();
+        let caps = match gst::Caps::from_str(text) {
+            Ok(mut c) if !c.is_empty() && !c.is_any() => {
+                c.fixate();
+                c
+            }
+            _ => {
+                gst::element_imp_warning!(
+                    self,
+                    gst::StreamError::Format,
+                    ("The sender's format is not GStreamer caps; using application/octet-stream"),
+                    ["format: {text:?}"]
+                );
+                gst::Caps::new_empty_simple("application/octet-stream")
+            }
+        };
+        {
+            let mut state = self.state.lock().unwrap();
+            let State::Started(s) = &mut *state else {
+                return Err(gst::FlowError::Flushing);
+            };
+            if s.caps.as_ref() == Some(&caps) {
+                return Ok(());
+            }
+            s.caps = Some(caps.clone());
+            let framerate = caps
+                .structure(0)
+                .and_then(|st| st.get::<gst::Fraction>("framerate").ok())
+                .filter(|f| f.numer() > 0 && f.denom() > 0);
+            if let Some(f) = framerate {
+                s.frame_duration =
+                    gst::ClockTime::SECOND.mul_div_floor(f.denom() as u64, f.numer() as u64);
+            }
+        }
+        gst::info!(CAT, imp = self, "caps {caps}");
+        self.obj().set_caps(&caps).map_err(|_| {
+            gst::element_imp_error!(
+                self,
+                gst::CoreError::Negotiation,
+                ("Downstream does not accept the sender's caps {caps}")
+            );
+            gst::FlowError::NotNegotiated
+        })?;
+        let _ = self
+            .obj()
+            .post_message(gst::message::Latency::builder().src(&*self.obj()).build());
+        Ok(())
+    }
+
+    /// The running time now, if the element has a clock.
+    fn running_time_now(&self) -> Option<gst::ClockTime> {
+        let obj = self.obj();
+        let clock = obj.clock()?;
+        let base = obj.base_time()?;
+        Some(clock.time().saturating_sub(base))
+    }
+
+    /// Makes the buffer of a frame; `None` when it must be dropped (no caps yet).
+    fn frame_buffer(&self, frame: Frame) -> Result<Option<gst::Buffer>, gst::FlowError> {
+        let arrival = self.running_time_now();
+        let mut state = self.state.lock().unwrap();
+        let State::Started(s) = &mut *state else {
+            return Err(gst::FlowError::Flushing);
+        };
+        if s.caps.is_none() {
+            s.frames_before_caps += 1;
+            gst::debug!(
+                CAT,
+                imp = self,
+                "frame {} arrived before any caps; dropped",
+                frame.index
+            );
+            return Ok(None);
+        }
+        let mut discont = s.next_index != Some(frame.index);
+        let duration = (frame.duration_ns > 0)
+            .then(|| gst::ClockTime::from_nseconds(frame.duration_ns as u64));
+        if duration.is_some() && s.frame_duration.is_none() {
+            s.frame_duration = duration;
+        }
+        let pts = match s.timestamp_mode {
+            TimestampMode::Arrival => arrival,
+            TimestampMode::Sender => {
+                // The sender's PTS as its running time; frames of senders without one are
+                // spaced by their capture times.
+                let sender_ns = frame.pts_ns.unwrap_or(frame.timestamp_ns) as i128;
+                match arrival {
+                    Some(arrival) => {
+                        let arrival_ns = arrival.nseconds() as i128;
+                        let threshold = RESYNC_THRESHOLD.nseconds() as i128;
+                        let mapped = s.offset.map(|o| sender_ns + o);
+                        if mapped.is_none_or(|m| (m - arrival_ns).abs() > threshold || m < 0) {
+                            if s.offset.is_some() {
+                                gst::debug!(CAT, imp = self, "re-mapping sender timestamps");
+                            }
+                            s.offset = Some(arrival_ns - sender_ns);
+                            discont = true;
+                        }
+                        let o = s.offset.expect("set above");
+                        Some(gst::ClockTime::from_nseconds((sender_ns + o).max(0) as u64))
+                    }
+                    None => None,
+                }
+            }
+        };
+        s.next_index = Some(frame.index + 1);
+        s.frames += 1;
+        s.bytes += frame.data.len() as u64;
+        drop(state);
+        // Wraps the frame's memory without copying: when the core hands over a retained memory
+        // block, it goes back to the sender (status 0) when the last reference is dropped.
+        let mut buffer = gst::Buffer::from_slice(frame.data);
+        {
+            let b = buffer.get_mut().expect("new buffer");
+            b.set_pts(pts);
+            b.set_duration(duration);
+            b.set_offset(frame.index);
+            b.set_offset_end(frame.index + 1);
+            if discont {
+                b.set_flags(gst::BufferFlags::DISCONT);
+            }
+        }
+        Ok(Some(buffer))
+    }
+
+    /// Called when nothing arrived for a while: is the sender still there?
+    fn check_sender(&self) -> Result<(), gst::FlowError> {
+        let mut state = self.state.lock().unwrap();
+        let State::Started(s) = &mut *state else {
+            return Err(gst::FlowError::Flushing);
+        };
+        let Some(sender) = s.route.current_sender() else {
+            return Ok(());
+        };
+        if s.senders.is_connected(&sender) {
+            s.gone_checks = 0;
+            s.gone_reported = false;
+            return Ok(());
+        }
+        // The polling thread finishes a closed connection's full blocks first: only a second
+        // idle check in a row means nothing more is coming.
+        s.gone_checks += 1;
+        if s.gone_checks < 2 || s.gone_reported {
+            return Ok(());
+        }
+        s.gone_reported = true;
+        let peer = s.senders.peer_of(&sender).unwrap_or_default();
+        let wait = s.wait_for_sender;
+        drop(state);
+        if wait {
+            gst::element_imp_warning!(
+                self,
+                gst::ResourceError::Read,
+                ("Sender '{sender}' ({peer}) went away before the end of the stream; waiting for it")
+            );
+            Ok(())
+        } else {
+            gst::element_imp_error!(
+                self,
+                gst::ResourceError::Read,
+                ("Sender '{sender}' ({peer}) went away before the end of the stream"),
+                ["wait-for-sender=false"]
+            );
+            Err(gst::FlowError::Error)
+        }
+    }
+
+    fn latency(&self) -> (gst::ClockTime, Option<gst::ClockTime>) {
+        let extra = gst::ClockTime::from_mseconds(self.settings.lock().unwrap().latency_ms as u64);
+        let max_buffers = self.settings.lock().unwrap().max_buffers as u64;
+        let frame = match &*self.state.lock().unwrap() {
+            State::Started(s) => s.frame_duration,
+            State::Stopped => None,
+        };
+        match frame {
+            Some(d) => (d + extra, Some(d + extra + d * max_buffers)),
+            None => (extra, None),
+        }
+    }
+}
+
+impl ObjectImpl for RdmaSrc {
+    fn properties() -> &'static [glib::ParamSpec] {
+        static PROPERTIES: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(|| {
+            vec![
+                glib::ParamSpecString::builder("address")
+                    .nick("Address")
+                    .blurb("Address to accept senders on")
+                    .default_value(Some(DEFAULT_ADDRESS))
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("port")
+                    .nick("Port")
+                    .blurb("Port to accept senders on")
+                    .maximum(65535)
+                    .default_value(DEFAULT_PORT)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecEnum::builder_with_default("transport", DEFAULT_TRANSPORT)
+                    .nick("Transport")
+                    .blurb("Data path: auto (verbs when an RDMA device is usable, else tcp), verbs, or tcp (software emulation)")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("device-id")
+                    .nick("Device ID")
+                    .blurb("Device number to receive (0-255)")
+                    .maximum(255)
+                    .default_value(DEFAULT_DEVICE_ID)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("sender-name")
+                    .nick("Sender name")
+                    .blurb("Receive the device from this sender only; NULL: from whichever sender streams it (the first one, until it goes away)")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("blocks")
+                    .nick("Memory blocks")
+                    .blurb("Receiver memory blocks per connected sender (set by the first source sharing the listener)")
+                    .minimum(1)
+                    .maximum(65536)
+                    .default_value(DEFAULT_BLOCKS)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("block-size")
+                    .nick("Block size")
+                    .blurb("Bytes per memory block including the 52-byte header and trailer; senders' block-size must not exceed it")
+                    .minimum(rdmastream::proto::OVERHEAD as u32 + 1)
+                    .maximum(1 << 30)
+                    .default_value(DEFAULT_BLOCK_SIZE)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("rdma-device")
+                    .nick("RDMA device")
+                    .blurb("RDMA device for transport=verbs (e.g. rxe0, mlx5_0); NULL: the first one")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("ib-port")
+                    .nick("IB port")
+                    .blurb("Port of the RDMA device for transport=verbs, from 1")
+                    .minimum(1)
+                    .maximum(255)
+                    .default_value(DEFAULT_IB_PORT)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecInt::builder("gid-index")
+                    .nick("GID index")
+                    .blurb("GID table index for transport=verbs; -1: chosen like perftest (IPv4-mapped RoCE v2, not link-local)")
+                    .minimum(-1)
+                    .maximum(1023)
+                    .default_value(DEFAULT_GID_INDEX)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("auth-token")
+                    .nick("Auth token")
+                    .blurb("Shared secret senders must present; NULL accepts any sender")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecEnum::builder_with_default("timestamp-mode", DEFAULT_TIMESTAMP_MODE)
+                    .nick("Timestamp mode")
+                    .blurb("sender: keep the sender's timestamps (shifted once so the first buffer lands at its arrival); arrival: running time of arrival")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("latency")
+                    .nick("Latency")
+                    .blurb("Extra latency in ms reported on top of one frame duration (covers transport jitter in timestamp-mode=sender)")
+                    .maximum(60_000)
+                    .default_value(DEFAULT_LATENCY_MS)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("max-buffers")
+                    .nick("Max buffers")
+                    .blurb("Frames queued between the receiver and this element's streaming thread")
+                    .minimum(1)
+                    .maximum(1024)
+                    .default_value(DEFAULT_MAX_BUFFERS)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecEnum::builder_with_default("drop-policy", DEFAULT_DROP_POLICY)
+                    .nick("Drop policy")
+                    .blurb("When the queue is full: block (the sender waits; every device of that sender with it) or drop-oldest")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecBoolean::builder("wait-for-sender")
+                    .nick("Wait for sender")
+                    .blurb("Wait for a sender that went away before ending the stream (posting a warning) instead of posting an error")
+                    .default_value(DEFAULT_WAIT_FOR_SENDER)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
+                    .nick("Statistics")
+                    .blurb("frames, bytes, frames-dropped, frames-before-caps, queued, sender, peer, connections, local-address")
+                    .read_only()
+                    .build(),
+            ]
+        });
+        PROPERTIES.as_ref()
+    }
+
+    fn set_property(&self, _id: usize, value: &glib::Value, pspec: &glib::ParamSpec) {
+        let mut s = self.settings.lock().unwrap();
+        match pspec.name() {
+            "address" => {
+                s.address = value
+                    .get::<Option<String>>()
+                    .expect("type checked upstream")
+                    .unwrap_or_else(|| DEFAULT_ADDRESS.into())
+            }
+            "port" => s.port = value.get().expect("type checked upstream"),
+            "transport" => s.transport = value.get().expect("type checked upstream"),
+            "device-id" => s.device_id = value.get().expect("type checked upstream"),
+            "sender-name" => s.sender_name = value.get().expect("type checked upstream"),
+            "blocks" => s.blocks = value.get().expect("type checked upstream"),
+            "block-size" => s.block_size = value.get().expect("type checked upstream"),
+            "rdma-device" => s.rdma_device = value.get().expect("type checked upstream"),
+            "ib-port" => s.ib_port = value.get().expect("type checked upstream"),
+            "gid-index" => s.gid_index = value.get().expect("type checked upstream"),
+            "auth-token" => s.auth_token = value.get().expect("type checked upstream"),
+            "timestamp-mode" => s.timestamp_mode = value.get().expect("type checked upstream"),
+            "latency" => s.latency_ms = value.get().expect("type checked upstream"),
+            "max-buffers" => s.max_buffers = value.get().expect("type checked upstream"),
+            "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
+            "wait-for-sender" => s.wait_for_sender = value.get().expect("type checked upstream"),
+            other => unimplemented!("property {other}"),
+        }
+    }
+
+    fn property(&self, _id: usize, pspec: &glib::ParamSpec) -> glib::Value {
+        let s = self.settings.lock().unwrap();
+        match pspec.name() {
+            "address" => s.address.to_value(),
+            "port" => s.port.to_value(),
+            "transport" => s.transport.to_value(),
+            "device-id" => s.device_id.to_value(),
+            "sender-name" => s.sender_name.to_value(),
+            "blocks" => s.blocks.to_value(),
+            "block-size" => s.block_size.to_value(),
+            "rdma-device" => s.rdma_device.to_value(),
+            "ib-port" => s.ib_port.to_value(),
+            "gid-index" => s.gid_index.to_value(),
+            "auth-token" => s.auth_token.to_value(),
+            "timestamp-mode" => s.timestamp_mode.to_value(),
+            "latency" => s.latency_ms.to_value(),
+            "max-buffers" => s.max_buffers.to_value(),
+            "drop-policy" => s.drop_policy.to_value(),
+            "wait-for-sender" => s.wait_for_sender.to_value(),
+            "stats" => {
+                drop(s);
+                let state = self.state.lock().unwrap();
+                let mut b = gst::Structure::builder("application/x-rdmasrc-stats");
+                if let State::Started(st) = &*state {
+                    let sender = st.route.current_sender();
+                    let peer = sender.as_deref().and_then(|n| st.senders.peer_of(n));
+                    b = b
+                        .field("frames", st.frames)
+                        .field("bytes", st.bytes)
+                        .field("frames-dropped", st.route.queue.dropped())
+                        .field("frames-before-caps", st.frames_before_caps)
+                        .field("queued", st.route.queue.queued() as u64)
+                        .field("sender", sender.unwrap_or_default())
+                        .field("peer", peer.unwrap_or_default())
+                        .field("connections", st.senders.accepted())
+                        .field("local-address", st.lease.local_addr());
+                }
+                b.build().to_value()
+            }
+            other => unimplemented!("property {other}"),
+        }
+    }
+
+    fn constructed(&self) {
+        self.parent_constructed();
+        let obj = self.obj();
+        obj.set_live(true);
+        obj.set_format(gst::Format::Time);
+    }
+}
+
+impl GstObjectImpl for RdmaSrc {}
+
+impl ElementImpl for RdmaSrc {
+    fn metadata() -> Option<&'static gst::subclass::ElementMetadata> {
+        static ELEMENT_METADATA: LazyLock<gst::subclass::ElementMetadata> = LazyLock::new(|| {
+            gst::subclass::ElementMetadata::new(
+                "RDMA source",
+                "Source/Network",
+                "Receives one device of an rdmasink or rdmastream sender over one-sided RDMA \
+                 (status-byte-assisted) or its TCP emulation; caps travel with the stream",
+                "rdmastream developers",
+            )
+        });
+        Some(&*ELEMENT_METADATA)
+    }
+
+    fn pad_templates() -> &'static [gst::PadTemplate] {
+        static PAD_TEMPLATES: LazyLock<Vec<gst::PadTemplate>> = LazyLock::new(|| {
+            vec![
+                gst::PadTemplate::new(
+                    "src",
+                    gst::PadDirection::Src,
+                    gst::PadPresence::Always,
+                    &gst::Caps::new_any(),
+                )
+                .expect("valid template"),
+            ]
+        });
+        PAD_TEMPLATES.as_ref()
+    }
+}
+
+impl BaseSrcImpl for RdmaSrc {
+    fn start(&self) -> Result<(), gst::ErrorMessage> {
+        let settings = self.settings();
+        if let Some(name) = &settings.sender_name
+            && !rdmastream::proto::handshake::valid_sender_name(name)
+        {
+            return Err(gst::error_msg!(
+                gst::ResourceError::Settings,
+                ("sender-name {name:?} is not 1-64 characters of A-Z a-z 0-9 . _ -")
+            ));
+        }
+        let addr = join_host_port(&settings.address, settings.port);
+        let element = self.obj().name().to_string();
+        let lease = RouteLease::acquire(RouteRequest {
+            key: ListenKey {
+                transport: settings.transport,
+                addr: addr.clone(),
+            },
+            region: RegionSettings {
+                blocks: settings.blocks as usize,
+                block_size: settings.block_size as usize,
+                token: settings.auth_token.clone().unwrap_or_default(),
+                reserved_blocks: Vec::new(),
+            },
+            verbs: VerbsSettings {
+                device: settings.rdma_device.clone(),
+                port: settings.ib_port as u8,
+                gid_index: u32::try_from(settings.gid_index).ok(),
+            },
+            element: &element,
+            device: settings.device_id as u8,
+            sender: settings.sender_name.clone(),
+            max_buffers: settings.max_buffers as usize,
+            policy: settings.drop_policy,
+        })
+        .map_err(|e| {
+            gst::error_msg!(
+                gst::ResourceError::OpenRead,
+                ("Cannot receive on {addr} ({})", settings.transport.nick()),
+                ["{e}"]
+            )
+        })?;
+        gst::info!(
+            CAT,
+            imp = self,
+            "receiving device {} on {}",
+            settings.device_id,
+            lease.local_addr()
+        );
+        let route = lease.route.clone();
+        let senders = lease.senders();
+        *self.state.lock().unwrap() = State::Started(Box::new(Started {
+            lease,
+            route,
+            senders,
+            timestamp_mode: settings.timestamp_mode,
+            wait_for_sender: settings.wait_for_sender,
+            caps: None,
+            frame_duration: None,
+            offset: None,
+            next_index: None,
+            frames: 0,
+            bytes: 0,
+            frames_before_caps: 0,
+            gone_checks: 0,
+            gone_reported: false,
+        }));
+        Ok(())
+    }
+
+    fn stop(&self) -> Result<(), gst::ErrorMessage> {
+        let state = std::mem::take(&mut *self.state.lock().unwrap());
+        if let State::Started(s) = state {
+            // Queued frames are dropped here: their retained blocks go back to the sender.
+            s.lease.release();
+        }
+        Ok(())
+    }
+
+    fn is_seekable(&self) -> bool {
+        false
+    }
+
+    fn query(&self, query: &mut gst::QueryRef) -> bool {
+        if let gst::QueryViewMut::Latency(q) = query.view_mut() {
+            let (min, max) = self.latency();
+            gst::debug!(CAT, imp = self, "latency min {min} max {}", max.display());
+            q.set(true, min, max);
+            return true;
+        }
+        BaseSrcImplExt::parent_query(self, query)
+    }
+
+    fn unlock(&self) -> Result<(), gst::ErrorMessage> {
+        if let State::Started(s) = &*self.state.lock().unwrap() {
+            s.route.queue.set_flushing(true);
+        }
+        Ok(())
+    }
+
+    fn unlock_stop(&self) -> Result<(), gst::ErrorMessage> {
+        if let State::Started(s) = &*self.state.lock().unwrap() {
+            s.route.queue.set_flushing(false);
+        }
+        Ok(())
+    }
+}
+
+impl PushSrcImpl for RdmaSrc {
+    fn create(
+        &self,
+        _buffer: Option<&mut gst::BufferRef>,
+    ) -> Result<CreateSuccess, gst::FlowError> {
+        let route = match &*self.state.lock().unwrap() {
+            State::Started(s) => s.route.clone(),
+            State::Stopped => return Err(gst::FlowError::Flushing),
+        };
+        loop {
+            match route.queue.pop(IDLE_CHECK) {
+                Popped::Flushing => return Err(gst::FlowError::Flushing),
+                Popped::Timeout => self.check_sender()?,
+                Popped::Item(Item::Format(descriptor)) => self.handle_format(&descriptor)?,
+                Popped::Item(Item::EndOfStream) => {
+                    gst::info!(CAT, imp = self, "the sender ended the stream");
+                    return Err(gst::FlowError::Eos);
+                }
+                Popped::Item(Item::Frame(frame)) => {
+                    if let Some(buffer) = self.frame_buffer(frame)? {
+                        return Ok(CreateSuccess::NewBuffer(buffer));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! `rdmasrc`: a live source receiving one device of an `rdmasink` (or of the rdmastream
+//! `sender`) over one-sided RDMA with the status-byte-assisted mechanism, or its TCP emulation.
+//!
+//! The receiver never posts a work request: it polls the status bytes of its memory blocks,
+//! validates each block, reorders per device and reassembles frames. Each frame becomes one
+//! buffer that wraps the receiver's memory block itself when it can (zero copy: the block stays
+//! RETAINED, status 2, until the buffer is freed; the sender skips it meanwhile).
+//!
+//! Caps travel with the stream: the element sets the caps the sender sent, and changes them
+//! when the sender's change, so no capsfilter is needed. It pushes EOS when the sender ends the
+//! device's stream, answers latency queries (one frame duration plus `latency`), and keeps the
+//! sender's timestamps (`timestamp-mode=sender`, shifted once so the first buffer lands at its
+//! arrival) or stamps buffers on arrival (`timestamp-mode=arrival`).
+//!
+//! All `rdmasrc` elements of a process with the same `address`, `port` and `transport` share
+//! one listener: each sender that connects gets one region, and each element receives the
+//! frames of its `device-id` (from `sender-name`, or from whichever sender streams it).
+//!
+//! ## Example
+//!
+//! ```sh
+//! gst-launch-1.0 rdmasrc port=7471 device-id=3 ! videoconvert ! autovideosink &
+//! gst-launch-1.0 videotestsrc is-live=true ! \
+//!     video/x-raw,format=RGB,width=640,height=480,framerate=25/1 ! \
+//!     rdmasink host=127.0.0.1 port=7471 device-id=3
+//! ```
+//!
+//! ## A sender that goes away
+//!
+//! With `wait-for-sender=true` (default) a sender whose connection is lost before it ended the
+//! stream is waited for (a warning message is posted); when it reconnects the stream goes on.
+//! With `wait-for-sender=false` the element posts an error naming the sender and its address.
+
+use gst::glib;
+use gst::prelude::*;
+
+mod imp;
+
+glib::wrapper! {
+    pub struct RdmaSrc(ObjectSubclass<imp::RdmaSrc>) @extends gst_base::PushSrc, gst_base::BaseSrc, gst::Element, gst::Object;
+}
+
+/// How buffers are timestamped.
+#[derive(Debug, Default, Eq, PartialEq, Hash, Clone, Copy, glib::Enum)]
+#[repr(u32)]
+#[enum_type(name = "GstRdmaTimestampMode")]
+pub enum TimestampMode {
+    /// The sender's PTS (running time), shifted by one constant so the first buffer lands at
+    /// its arrival running time: the sender's spacing and durations are kept exactly.
+    #[default]
+    #[enum_value(
+        name = "Sender: keep the sender's timestamps (shifted once to this pipeline's running time)",
+        nick = "sender"
+    )]
+    Sender = 0,
+    /// The running time at which each frame arrived.
+    #[enum_value(
+        name = "Arrival: running time at which each frame arrived",
+        nick = "arrival"
+    )]
+    Arrival = 1,
+}
+
+pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
+    gst::Element::register(
+        Some(plugin),
+        "rdmasrc",
+        gst::Rank::NONE,
+        RdmaSrc::static_type(),
+    )
+}

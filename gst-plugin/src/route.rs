@@ -1,0 +1,580 @@
+//! The receiver side shared by `rdmasrc` elements: one core receiver (one listener; per
+//! connected sender a region and a polling thread) per (transport, bind address) in the process,
+//! and a [`Router`] that hands each element the frames of its (sender, device) through a bounded
+//! [`FrameQueue`].
+//!
+//! A router call runs on a sender's polling thread. When an element's queue is full under the
+//! `block` policy the call waits, so the blocks stay full and the sender waits (back-pressure);
+//! every device of that sender waits with it, as they share the connection.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Condvar, LazyLock, Mutex};
+use std::time::{Duration, Instant};
+
+use rdmastream::engine::{FrameSink, ReceiverHandle, ReceiverOptions, StreamKey};
+use rdmastream::proto::{Frame, StreamEvent};
+use rdmastream::stats::DeviceCounters;
+use rdmastream::transport::{Accepted, Listener, Region, RegionSettings};
+
+use crate::transport::{self, DropPolicy, Transport, VerbsSettings};
+
+/// What an element receives, in order.
+#[derive(Debug)]
+pub enum Item {
+    /// A caps string for the frames that follow.
+    Format(Vec<u8>),
+    Frame(Frame),
+    EndOfStream,
+}
+
+/// What [`FrameQueue::pop`] found.
+#[derive(Debug)]
+pub enum Popped {
+    Item(Item),
+    /// Nothing arrived within the timeout.
+    Timeout,
+    /// The element is flushing (unlock): give up now.
+    Flushing,
+}
+
+#[derive(Default)]
+struct QueueState {
+    items: VecDeque<Item>,
+    frames: usize,
+    flushing: bool,
+    closed: bool,
+    dropped: u64,
+}
+
+/// A bounded queue of one element's items. Only frames count towards the bound; formats and
+/// end-of-stream are never dropped.
+pub struct FrameQueue {
+    state: Mutex<QueueState>,
+    cond: Condvar,
+    max_frames: usize,
+    policy: DropPolicy,
+}
+
+impl FrameQueue {
+    fn new(max_frames: usize, policy: DropPolicy) -> FrameQueue {
+        FrameQueue {
+            state: Mutex::new(QueueState::default()),
+            cond: Condvar::new(),
+            max_frames: max_frames.max(1),
+            policy,
+        }
+    }
+
+    /// Adds an item; under `block` waits while the queue is full (until room or close).
+    fn push(&self, item: Item) {
+        let mut s = self.state.lock().unwrap();
+        if matches!(item, Item::Frame(_)) {
+            while !s.closed && s.frames >= self.max_frames {
+                match self.policy {
+                    DropPolicy::DropOldest => {
+                        if let Some(pos) = s.items.iter().position(|i| matches!(i, Item::Frame(_)))
+                        {
+                            s.items.remove(pos);
+                            s.frames -= 1;
+                            s.dropped += 1;
+                        }
+                    }
+                    DropPolicy::Block => {
+                        s = self
+                            .cond
+                            .wait_timeout(s, Duration::from_millis(100))
+                            .unwrap()
+                            .0;
+                    }
+                }
+            }
+            if s.closed {
+                return;
+            }
+            s.frames += 1;
+        } else if s.closed {
+            return;
+        }
+        s.items.push_back(item);
+        self.cond.notify_all();
+    }
+
+    /// Takes the next item, waiting up to `timeout`.
+    pub fn pop(&self, timeout: Duration) -> Popped {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.state.lock().unwrap();
+        loop {
+            if s.flushing || s.closed {
+                return Popped::Flushing;
+            }
+            if let Some(item) = s.items.pop_front() {
+                if matches!(item, Item::Frame(_)) {
+                    s.frames -= 1;
+                }
+                self.cond.notify_all();
+                return Popped::Item(item);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Popped::Timeout;
+            }
+            s = self.cond.wait_timeout(s, deadline - now).unwrap().0;
+        }
+    }
+
+    /// Starts or stops flushing: a waiting [`Self::pop`] returns at once.
+    pub fn set_flushing(&self, flushing: bool) {
+        self.state.lock().unwrap().flushing = flushing;
+        self.cond.notify_all();
+    }
+
+    /// Frames dropped because the queue was full (`drop-oldest`).
+    pub fn dropped(&self) -> u64 {
+        self.state.lock().unwrap().dropped
+    }
+
+    /// Frames waiting.
+    pub fn queued(&self) -> usize {
+        self.state.lock().unwrap().frames
+    }
+
+    /// No more items: drops what is queued (releasing retained blocks) and wakes every waiter.
+    fn close(&self) {
+        let items = {
+            let mut s = self.state.lock().unwrap();
+            s.closed = true;
+            s.frames = 0;
+            std::mem::take(&mut s.items)
+        };
+        self.cond.notify_all();
+        drop(items);
+    }
+}
+
+/// One element's subscription: the frames of `device` from `sender` (or from whichever sender
+/// streams that device, when `sender` is `None`).
+pub struct Route {
+    pub device: u8,
+    pub sender: Option<String>,
+    element: String,
+    pub queue: FrameQueue,
+    /// The sender whose stream this route follows.
+    current: Mutex<Option<String>>,
+    /// Other senders of the same device already warned about.
+    ignored: Mutex<HashSet<String>>,
+}
+
+impl Route {
+    /// The sender whose stream the element receives, once one streamed.
+    pub fn current_sender(&self) -> Option<String> {
+        self.current.lock().unwrap().clone()
+    }
+
+    fn describe(&self) -> String {
+        match &self.sender {
+            Some(s) => format!("device-id {} of sender '{s}'", self.device),
+            None => format!("device-id {} (from any sender)", self.device),
+        }
+    }
+}
+
+/// One accepted connection, as the listener saw it.
+struct Connection {
+    sender: String,
+    peer: String,
+    region: Arc<dyn Region>,
+}
+
+/// The connections a listener accepted: whether a sender is connected, and from where.
+#[derive(Default)]
+pub struct SenderTable {
+    connections: Mutex<Vec<Connection>>,
+    accepted: std::sync::atomic::AtomicU64,
+}
+
+impl SenderTable {
+    /// True while `sender` has a connection whose region is still open.
+    pub fn is_connected(&self, sender: &str) -> bool {
+        self.connections
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|c| c.sender == sender && !c.region.is_closed())
+    }
+
+    /// Where `sender` last connected from.
+    pub fn peer_of(&self, sender: &str) -> Option<String> {
+        self.connections
+            .lock()
+            .unwrap()
+            .iter()
+            .rev()
+            .find(|c| c.sender == sender)
+            .map(|c| c.peer.clone())
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn record(&self, a: &Accepted) {
+        let mut c = self.connections.lock().unwrap();
+        // Forget closed connections; keep the newest one of each sender for its peer address.
+        let mut seen = HashSet::new();
+        let mut kept: Vec<Connection> = Vec::new();
+        for conn in c.drain(..).rev() {
+            if !conn.region.is_closed() || seen.insert(conn.sender.clone()) {
+                kept.push(conn);
+            }
+        }
+        kept.reverse();
+        *c = kept;
+        c.push(Connection {
+            sender: a.hello.sender.clone(),
+            peer: a.peer.clone(),
+            region: a.region.clone(),
+        });
+        self.accepted
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Wraps the core's listener to record who connected.
+struct ObservedListener {
+    inner: Box<dyn Listener>,
+    table: Arc<SenderTable>,
+}
+
+impl Listener for ObservedListener {
+    fn transport(&self) -> &'static str {
+        self.inner.transport()
+    }
+    fn local_addr(&self) -> String {
+        self.inner.local_addr()
+    }
+    fn accept(&mut self, timeout: Duration) -> rdmastream::Result<Option<Accepted>> {
+        let r = self.inner.accept(timeout);
+        if let Ok(Some(a)) = &r {
+            self.table.record(a);
+        }
+        r
+    }
+}
+
+/// How long after the listener started frames of a device no element asked for (yet) are held
+/// for it: elements of one pipeline start one after the other, and a sender may be quicker.
+const HOLD_WINDOW: Duration = Duration::from_secs(3);
+/// Frames held per (sender, device) meanwhile.
+const HOLD_FRAMES: usize = 8;
+
+#[derive(Default)]
+struct RouterState {
+    routes: Vec<Arc<Route>>,
+    /// The newest caps of every (sender, device), for elements that start later.
+    formats: HashMap<StreamKey, Vec<u8>>,
+    held: HashMap<StreamKey, VecDeque<Item>>,
+}
+
+enum Pick {
+    Route(Arc<Route>, Option<Vec<u8>>),
+    Hold,
+    Drop,
+}
+
+/// Hands each (sender, device) to the element that asked for it.
+pub struct Router {
+    state: Mutex<RouterState>,
+    table: Arc<SenderTable>,
+    started: Instant,
+}
+
+impl Router {
+    fn pick(&self, s: &mut RouterState, key: &StreamKey) -> Pick {
+        if let Some(r) = s
+            .routes
+            .iter()
+            .find(|r| r.device == key.device && r.sender.as_deref() == Some(&key.sender))
+        {
+            return Pick::Route(r.clone(), None);
+        }
+        let Some(r) = s
+            .routes
+            .iter()
+            .find(|r| r.device == key.device && r.sender.is_none())
+        else {
+            return if self.started.elapsed() < HOLD_WINDOW {
+                Pick::Hold
+            } else {
+                Pick::Drop
+            };
+        };
+        let mut current = r.current.lock().unwrap();
+        match current.as_deref() {
+            None => {
+                *current = Some(key.sender.clone());
+                Pick::Route(r.clone(), None)
+            }
+            Some(c) if c == key.sender => Pick::Route(r.clone(), None),
+            Some(c) if self.table.is_connected(c) => {
+                if r.ignored.lock().unwrap().insert(key.sender.clone()) {
+                    tracing::warn!(
+                        "{}: ignoring device {} of sender '{}' while following sender '{c}'; set \
+                         sender-name to choose",
+                        r.element,
+                        key.device,
+                        key.sender
+                    );
+                }
+                Pick::Drop
+            }
+            Some(c) => {
+                tracing::info!(
+                    "{}: sender '{c}' is gone; now receiving device {} of sender '{}'",
+                    r.element,
+                    key.device,
+                    key.sender
+                );
+                *current = Some(key.sender.clone());
+                Pick::Route(r.clone(), s.formats.get(key).cloned())
+            }
+        }
+    }
+
+    fn register(&self, route: Arc<Route>) -> Result<(), String> {
+        let mut s = self.state.lock().unwrap();
+        if let Some(other) = s
+            .routes
+            .iter()
+            .find(|r| r.device == route.device && r.sender == route.sender)
+        {
+            return Err(format!(
+                "{} is already received by {}",
+                route.describe(),
+                other.element
+            ));
+        }
+        s.routes.push(route.clone());
+        // Hand over what arrived for it before it asked, starting with its caps.
+        let mut candidates: Vec<StreamKey> = s
+            .held
+            .keys()
+            .chain(s.formats.keys())
+            .filter(|k| {
+                k.device == route.device
+                    && route.sender.as_ref().is_none_or(|name| *name == k.sender)
+            })
+            .cloned()
+            .collect();
+        candidates.sort_by_key(|k| (!s.held.contains_key(k), !self.table.is_connected(&k.sender)));
+        let Some(key) = candidates.into_iter().next() else {
+            return Ok(());
+        };
+        if route.sender.is_none() {
+            *route.current.lock().unwrap() = Some(key.sender.clone());
+        }
+        if let Some(f) = s.formats.get(&key) {
+            route.queue.push(Item::Format(f.clone()));
+        }
+        for item in s.held.remove(&key).unwrap_or_default() {
+            route.queue.push(item);
+        }
+        Ok(())
+    }
+
+    fn unregister(&self, route: &Arc<Route>) {
+        self.state
+            .lock()
+            .unwrap()
+            .routes
+            .retain(|r| !Arc::ptr_eq(r, route));
+        route.queue.close();
+    }
+}
+
+impl FrameSink for Router {
+    fn handle(&self, key: &StreamKey, _counters: &Arc<DeviceCounters>, event: StreamEvent) {
+        let item = match event {
+            StreamEvent::Frame(f) => Item::Frame(f),
+            StreamEvent::Format { descriptor, .. } => Item::Format(descriptor),
+            StreamEvent::EndOfStream { .. } => Item::EndOfStream,
+        };
+        let (route, format) = {
+            let mut s = self.state.lock().unwrap();
+            if let Item::Format(d) = &item {
+                s.formats.insert(key.clone(), d.clone());
+            }
+            match self.pick(&mut s, key) {
+                Pick::Route(r, format) => (r, format),
+                Pick::Hold => {
+                    let held = s.held.entry(key.clone()).or_default();
+                    let item = match item {
+                        // Held frames are copied: a retained block must not wait for an element
+                        // that may never come.
+                        Item::Frame(mut f) => {
+                            f.data = f.data.to_vec().into();
+                            Item::Frame(f)
+                        }
+                        other => other,
+                    };
+                    held.push_back(item);
+                    let frames = held.iter().filter(|i| matches!(i, Item::Frame(_))).count();
+                    if frames > HOLD_FRAMES
+                        && let Some(pos) = held.iter().position(|i| matches!(i, Item::Frame(_)))
+                    {
+                        held.remove(pos);
+                    }
+                    return;
+                }
+                Pick::Drop => {
+                    tracing::debug!("no rdmasrc receives {key}; dropped");
+                    return;
+                }
+            }
+        };
+        // Outside the router lock: this may wait for room.
+        if let Some(f) = format {
+            route.queue.push(Item::Format(f));
+        }
+        route.queue.push(item);
+    }
+}
+
+/// What identifies a shared receiver.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ListenKey {
+    pub transport: Transport,
+    /// `address:port` to bind.
+    pub addr: String,
+}
+
+/// One core receiver and its router.
+pub struct SharedReceiver {
+    key: ListenKey,
+    handle: Mutex<Option<ReceiverHandle>>,
+    router: Arc<Router>,
+    table: Arc<SenderTable>,
+    local_addr: String,
+    settings: RegionSettings,
+}
+
+static RECEIVERS: LazyLock<Mutex<HashMap<ListenKey, Arc<SharedReceiver>>>> =
+    LazyLock::new(Default::default);
+
+/// What an element asks for.
+pub struct RouteRequest<'a> {
+    pub key: ListenKey,
+    pub region: RegionSettings,
+    pub verbs: VerbsSettings,
+    pub element: &'a str,
+    pub device: u8,
+    pub sender: Option<String>,
+    pub max_buffers: usize,
+    pub policy: DropPolicy,
+}
+
+/// One element's route on a shared receiver.
+pub struct RouteLease {
+    shared: Arc<SharedReceiver>,
+    pub route: Arc<Route>,
+}
+
+impl RouteLease {
+    /// Subscribes to a device, starting the receiver (binding the address) if there is none.
+    pub fn acquire(req: RouteRequest<'_>) -> Result<RouteLease, String> {
+        let mut receivers = RECEIVERS.lock().unwrap();
+        let shared = match receivers.get(&req.key) {
+            Some(s) => {
+                if s.settings.blocks != req.region.blocks
+                    || s.settings.block_size != req.region.block_size
+                    || s.settings.token != req.region.token
+                {
+                    tracing::warn!(
+                        "{}: sharing the listener on {} with the blocks, block-size and \
+                         auth-token of the first element",
+                        req.element,
+                        s.local_addr
+                    );
+                }
+                s.clone()
+            }
+            None => {
+                let inner = transport::listener(
+                    req.key.transport,
+                    &req.key.addr,
+                    req.region.clone(),
+                    &req.verbs,
+                )?;
+                let table = Arc::new(SenderTable::default());
+                let router = Arc::new(Router {
+                    state: Mutex::new(RouterState::default()),
+                    table: table.clone(),
+                    started: Instant::now(),
+                });
+                let listener = ObservedListener {
+                    inner,
+                    table: table.clone(),
+                };
+                let handle = ReceiverHandle::start(
+                    ReceiverOptions::default(),
+                    Box::new(listener),
+                    router.clone(),
+                )
+                .map_err(|e| format!("cannot start receiving on {}: {e}", req.key.addr))?;
+                let shared = Arc::new(SharedReceiver {
+                    key: req.key.clone(),
+                    local_addr: handle.local_addr().to_string(),
+                    handle: Mutex::new(Some(handle)),
+                    router,
+                    table,
+                    settings: req.region.clone(),
+                });
+                receivers.insert(req.key.clone(), shared.clone());
+                shared
+            }
+        };
+        let route = Arc::new(Route {
+            device: req.device,
+            sender: req.sender,
+            element: req.element.to_string(),
+            queue: FrameQueue::new(req.max_buffers, req.policy),
+            current: Mutex::new(None),
+            ignored: Mutex::new(HashSet::new()),
+        });
+        shared
+            .router
+            .register(route.clone())
+            .map_err(|e| format!("{e} on {}", shared.local_addr))?;
+        Ok(RouteLease { shared, route })
+    }
+
+    /// Where the shared listener listens.
+    pub fn local_addr(&self) -> &str {
+        &self.shared.local_addr
+    }
+
+    /// The listener's connections.
+    pub fn senders(&self) -> Arc<SenderTable> {
+        self.shared.table.clone()
+    }
+
+    /// Unsubscribes; the last element stops the receiver and frees the address.
+    pub fn release(self) {
+        self.shared.router.unregister(&self.route);
+        let mut receivers = RECEIVERS.lock().unwrap();
+        if !self.shared.router.state.lock().unwrap().routes.is_empty() {
+            return;
+        }
+        if receivers
+            .get(&self.shared.key)
+            .is_some_and(|s| Arc::ptr_eq(s, &self.shared))
+        {
+            receivers.remove(&self.shared.key);
+        }
+        // Joins the accepting and polling threads (their calls into the router return at once:
+        // every route is closed). Under the registry lock, so that an element starting on the
+        // same address meanwhile waits for it.
+        let handle = self.shared.handle.lock().unwrap().take();
+        drop(handle);
+    }
+}

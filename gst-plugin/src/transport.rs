@@ -1,0 +1,128 @@
+//! The `transport` and `drop-policy` properties, and how they map onto the core's transports.
+//!
+//! This is the one place that knows which transports exist; the elements only pass the
+//! property values on.
+
+use std::time::{Duration, Instant};
+
+use gst::glib;
+
+use rdmastream::transport::tcp::{TcpConnector, TcpListenerTransport};
+pub use rdmastream::transport::verbs::VerbsSettings;
+use rdmastream::transport::verbs::{VerbsConnector, VerbsListener};
+use rdmastream::transport::{Connector, Kind, Listener, RegionSettings};
+
+/// Which data path carries the blocks.
+#[derive(Debug, Default, Eq, PartialEq, Ord, PartialOrd, Hash, Clone, Copy, glib::Enum)]
+#[repr(u32)]
+#[enum_type(name = "GstRdmaTransport")]
+pub enum Transport {
+    /// RDMA verbs when a usable device is present, else the tcp software transport.
+    #[default]
+    #[enum_value(
+        name = "Auto: RDMA verbs when a usable device is present, else tcp",
+        nick = "auto"
+    )]
+    Auto = 0,
+    /// One-sided RDMA over an RDMA NIC (or Soft-RoCE).
+    #[enum_value(name = "Verbs: one-sided RDMA over an RDMA device", nick = "verbs")]
+    Verbs = 1,
+    /// The software emulation of the one-sided data path over TCP.
+    #[enum_value(
+        name = "TCP: software emulation of one-sided RDMA over TCP",
+        nick = "tcp"
+    )]
+    Tcp = 2,
+}
+
+impl Transport {
+    /// The property value's nick, for messages.
+    pub fn nick(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Verbs => "verbs",
+            Transport::Tcp => "tcp",
+        }
+    }
+}
+
+/// What happens when a queue is full.
+#[derive(Debug, Default, Eq, PartialEq, Hash, Clone, Copy, glib::Enum)]
+#[repr(u32)]
+#[enum_type(name = "GstRdmaDropPolicy")]
+pub enum DropPolicy {
+    /// Lossless: wait for room (back-pressure).
+    #[default]
+    #[enum_value(
+        name = "Block: wait for room (lossless, back-pressure)",
+        nick = "block"
+    )]
+    Block = 0,
+    /// Live: drop the oldest queued frame and count it.
+    #[enum_value(
+        name = "Drop oldest: drop the oldest queued frame (live)",
+        nick = "drop-oldest"
+    )]
+    DropOldest = 1,
+}
+
+/// Resolves the property: `auto` probes for a usable RDMA device (and says in the log why it
+/// falls back to tcp), `verbs` without one is an error naming what was looked for.
+fn choose(transport: Transport, verbs: &VerbsSettings) -> Result<Kind, String> {
+    rdmastream::transport::choose(transport.nick(), verbs).map_err(|e| e.to_string())
+}
+
+/// A connector to `peer` (`host:port`) over `transport`.
+pub fn connector(
+    transport: Transport,
+    peer: &str,
+    verbs: &VerbsSettings,
+    max_outstanding: usize,
+) -> Result<Box<dyn Connector>, String> {
+    Ok(match choose(transport, verbs)? {
+        Kind::Tcp => Box::new(TcpConnector::new(peer)),
+        Kind::Verbs => Box::new(
+            VerbsConnector::new(peer, verbs.clone(), max_outstanding).map_err(|e| e.to_string())?,
+        ),
+    })
+}
+
+/// A listener on `addr` (`address:port`) over `transport`, offering `settings` to each sender.
+///
+/// A listener of this process that was just stopped may hold the address for a moment longer
+/// (its accepting thread closes the socket); an address in use is retried for up to a second.
+pub fn listener(
+    transport: Transport,
+    addr: &str,
+    settings: RegionSettings,
+    verbs: &VerbsSettings,
+) -> Result<Box<dyn Listener>, String> {
+    let kind = choose(transport, verbs)?;
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let bound: rdmastream::Result<Box<dyn Listener>> = match kind {
+            Kind::Tcp => TcpListenerTransport::bind(addr, settings.clone())
+                .map(|l| Box::new(l) as Box<dyn Listener>),
+            Kind::Verbs => VerbsListener::bind(addr, settings.clone(), verbs.clone())
+                .map(|l| Box::new(l) as Box<dyn Listener>),
+        };
+        match bound {
+            Ok(l) => return Ok(l),
+            Err(rdmastream::Error::Listen { source, .. })
+                if source.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// `host:port`, with IPv6 literals bracketed.
+pub fn join_host_port(host: &str, port: u32) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}

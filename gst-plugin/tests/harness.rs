@@ -1,0 +1,473 @@
+//! `rdmasink` and `rdmasrc` driven through `gst_check::Harness` (and small pipelines for the
+//! state-change cases), in one process over the tcp transport on loopback.
+
+mod common;
+
+use std::sync::mpsc;
+
+use gst::glib;
+use gst::prelude::*;
+use gst_check::Harness;
+
+use common::{DEADLINE, free_port, host, transport, wait_for};
+
+fn init() {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    INIT.call_once(|| {
+        gst::init().unwrap();
+        gstrdma::plugin_register_static().expect("registering the plugin");
+    });
+}
+
+fn set(e: &gst::Element, props: &[(&str, glib::Value)]) {
+    for (k, v) in props {
+        e.set_property_from_value(k, v);
+    }
+}
+
+/// An `rdmasrc` receiving `device` on loopback `port` (tcp).
+fn src_element(port: u16, device: u32, props: &[(&str, glib::Value)]) -> gst::Element {
+    let e = gst::ElementFactory::make("rdmasrc").build().unwrap();
+    e.set_property("port", port as u32);
+    e.set_property("device-id", device);
+    e.set_property_from_str("transport", &transport());
+    set(&e, props);
+    e
+}
+
+/// An `rdmasink` streaming `device` to loopback `port`.
+fn sink_element(port: u16, device: u32, props: &[(&str, glib::Value)]) -> gst::Element {
+    let e = gst::ElementFactory::make("rdmasink").build().unwrap();
+    e.set_property("host", host());
+    e.set_property_from_str("transport", &transport());
+    e.set_property("port", port as u32);
+    e.set_property("device-id", device);
+    e.set_property("sync", false);
+    set(&e, props);
+    e
+}
+
+/// A harness around a configured `rdmasrc`, playing.
+fn src_harness(e: &gst::Element) -> Harness {
+    let mut h = Harness::with_element(e, None, Some("src"));
+    h.play();
+    h
+}
+
+/// A harness around a configured `rdmasink` fed `caps`, playing.
+fn sink_harness(e: &gst::Element, caps: &str) -> Harness {
+    let mut h = Harness::with_element(e, Some("sink"), None);
+    h.play();
+    h.set_src_caps_str(caps);
+    h
+}
+
+fn src(port: u16, device: u32, props: &[(&str, glib::Value)]) -> Harness {
+    src_harness(&src_element(port, device, props))
+}
+
+fn sink(port: u16, device: u32, caps: &str, props: &[(&str, glib::Value)]) -> Harness {
+    sink_harness(&sink_element(port, device, props), caps)
+}
+
+/// A bus on an element, so its messages can be read (a harness gives it none).
+fn bus_of(e: &gst::Element) -> gst::Bus {
+    let bus = gst::Bus::new();
+    e.set_bus(Some(&bus));
+    bus
+}
+
+fn buffer(data: Vec<u8>, pts_ms: u64, duration_ms: u64) -> gst::Buffer {
+    let mut b = gst::Buffer::from_mut_slice(data);
+    {
+        let b = b.get_mut().unwrap();
+        b.set_pts(gst::ClockTime::from_mseconds(pts_ms));
+        b.set_duration(gst::ClockTime::from_mseconds(duration_ms));
+    }
+    b
+}
+
+fn bytes(b: &gst::Buffer) -> Vec<u8> {
+    b.map_readable().unwrap().as_slice().to_vec()
+}
+
+/// Pulls events until EOS; returns the caps events seen on the way.
+fn caps_until_eos(h: &mut Harness) -> Vec<gst::Caps> {
+    let mut caps = Vec::new();
+    loop {
+        let ev = h.pull_event().expect("an event within the harness timeout");
+        match ev.view() {
+            gst::EventView::Caps(c) => caps.push(c.caps_owned()),
+            gst::EventView::Eos(_) => return caps,
+            _ => {}
+        }
+    }
+}
+
+fn stats(e: &gst::Element) -> gst::Structure {
+    e.property::<gst::Structure>("stats")
+}
+
+fn error_text(msg: &gst::Message) -> String {
+    match msg.view() {
+        gst::MessageView::Error(e) => format!("{} | {:?}", e.error(), e.debug()),
+        gst::MessageView::Warning(w) => format!("{} | {:?}", w.error(), w.debug()),
+        _ => String::new(),
+    }
+}
+
+const GRAY: &str = "video/x-raw,format=GRAY8,width=4,height=2,framerate=10/1";
+
+#[test]
+fn buffers_caps_timestamps_and_eos_travel() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 5, &[]);
+    let mut tx = sink(port, 5, GRAY, &[]);
+    for i in 0..5u8 {
+        tx.push(buffer(vec![i; 8], 100 * i as u64, 100)).unwrap();
+    }
+    let mut first = None;
+    for i in 0..5u8 {
+        let b = rx.pull().unwrap();
+        assert_eq!(bytes(&b), vec![i; 8]);
+        assert_eq!(b.offset(), i as u64);
+        assert_eq!(b.duration(), Some(gst::ClockTime::from_mseconds(100)));
+        // timestamp-mode=sender keeps the sender's spacing exactly.
+        let pts = b.pts().expect("timestamped");
+        let first = *first.get_or_insert(pts);
+        assert_eq!(pts - first, gst::ClockTime::from_mseconds(100 * i as u64));
+    }
+    assert!(tx.push_event(gst::event::Eos::new()));
+    let caps = caps_until_eos(&mut rx);
+    assert_eq!(caps, vec![GRAY.parse::<gst::Caps>().unwrap()]);
+}
+
+#[test]
+fn caps_change_mid_stream() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 1, &[]);
+    let mut tx = sink(port, 1, GRAY, &[]);
+    tx.push(buffer(vec![1; 8], 0, 100)).unwrap();
+    let small = "video/x-raw,format=GRAY8,width=2,height=2,framerate=10/1";
+    tx.set_src_caps_str(small);
+    tx.push(buffer(vec![2; 4], 100, 100)).unwrap();
+    assert_eq!(bytes(&rx.pull().unwrap()), vec![1; 8]);
+    assert_eq!(bytes(&rx.pull().unwrap()), vec![2; 4]);
+    assert!(tx.push_event(gst::event::Eos::new()));
+    let caps = caps_until_eos(&mut rx);
+    assert_eq!(
+        caps,
+        vec![GRAY.parse().unwrap(), small.parse::<gst::Caps>().unwrap()]
+    );
+}
+
+#[test]
+fn buffers_larger_than_a_block_are_fragmented_and_arrive_whole() {
+    init();
+    let port = free_port();
+    let block = ("block-size", 4096u32.to_value());
+    let mut rx = src(port, 2, std::slice::from_ref(&block));
+    let mut tx = sink(port, 2, "application/octet-stream", &[block]);
+    let sizes = [1usize, 4044, 4045, 100_000, 7];
+    let payload = |n: usize, k: usize| -> Vec<u8> {
+        (0..n).map(|i| ((i * 31 + k * 7) % 251) as u8).collect()
+    };
+    for (k, &n) in sizes.iter().enumerate() {
+        tx.push(buffer(payload(n, k), k as u64 * 10, 10)).unwrap();
+    }
+    for (k, &n) in sizes.iter().enumerate() {
+        assert_eq!(bytes(&rx.pull().unwrap()), payload(n, k), "buffer {k}");
+    }
+}
+
+#[test]
+fn latency_query_answers_one_frame_plus_the_latency_property() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 3, &[("latency", 10u32.to_value())]);
+    let mut tx = sink(
+        port,
+        3,
+        "video/x-raw,format=GRAY8,width=4,height=2,framerate=25/1",
+        &[],
+    );
+    tx.push(buffer(vec![0; 8], 0, 40)).unwrap();
+    rx.pull().unwrap();
+    assert_eq!(rx.query_latency(), Some(gst::ClockTime::from_mseconds(50)));
+}
+
+#[test]
+fn arrival_timestamps_follow_the_pipeline_clock() {
+    init();
+    let port = free_port();
+    let e = src_element(port, 4, &[]);
+    e.set_property_from_str("timestamp-mode", "arrival");
+    let mut rx = Harness::with_element(&e, None, Some("src"));
+    rx.use_systemclock();
+    let e = rx.element().unwrap();
+    rx.play();
+    let running_now = move || e.clock().unwrap().time() - e.base_time().unwrap();
+    let before = running_now();
+    let mut tx = sink(port, 4, GRAY, &[]);
+    // Sender timestamps an hour ahead: arrival mode must not use them.
+    for i in 0..3u8 {
+        tx.push(buffer(vec![i; 8], 3_600_000 + i as u64, 1))
+            .unwrap();
+    }
+    let mut last = before;
+    for _ in 0..3 {
+        let pts = rx.pull().unwrap().pts().expect("timestamped");
+        assert!(
+            pts >= last && pts <= running_now(),
+            "{pts} not in {last}..now"
+        );
+        last = pts;
+    }
+}
+
+#[test]
+fn two_sinks_share_one_connection_into_two_sources() {
+    init();
+    let port = free_port();
+    let name = ("sender-name", "edge-7".to_value());
+    let mut rx1 = src(port, 1, &[]);
+    let mut rx2 = src(port, 2, &[]);
+    let mut tx1 = sink(port, 1, GRAY, std::slice::from_ref(&name));
+    let mut tx2 = sink(port, 2, GRAY, std::slice::from_ref(&name));
+    for i in 0..3u8 {
+        tx1.push(buffer(vec![10 + i; 8], i as u64 * 100, 100))
+            .unwrap();
+        tx2.push(buffer(vec![20 + i; 8], i as u64 * 100, 100))
+            .unwrap();
+    }
+    for i in 0..3u8 {
+        assert_eq!(bytes(&rx1.pull().unwrap()), vec![10 + i; 8]);
+        assert_eq!(bytes(&rx2.pull().unwrap()), vec![20 + i; 8]);
+    }
+    let s = stats(&rx1.element().unwrap());
+    assert_eq!(s.get::<u64>("connections").unwrap(), 1, "{s}");
+    assert_eq!(s.get::<String>("sender").unwrap(), "edge-7");
+    for tx in [&tx1, &tx2] {
+        let s = stats(&tx.element().unwrap());
+        assert_eq!(s.get::<u64>("connections").unwrap(), 1, "{s}");
+    }
+}
+
+#[test]
+fn sources_choose_among_senders_by_name() {
+    init();
+    let port = free_port();
+    let mut from_a = src(port, 9, &[("sender-name", "a".to_value())]);
+    let mut from_b = src(port, 9, &[("sender-name", "b".to_value())]);
+    let mut ta = sink(port, 9, GRAY, &[("sender-name", "a".to_value())]);
+    let mut tb = sink(port, 9, GRAY, &[("sender-name", "b".to_value())]);
+    ta.push(buffer(vec![0xa; 8], 0, 100)).unwrap();
+    tb.push(buffer(vec![0xb; 8], 0, 100)).unwrap();
+    assert_eq!(bytes(&from_a.pull().unwrap()), vec![0xa; 8]);
+    assert_eq!(bytes(&from_b.pull().unwrap()), vec![0xb; 8]);
+}
+
+#[test]
+fn a_refused_token_is_an_error_naming_the_receiver() {
+    init();
+    let port = free_port();
+    let _rx = src(port, 0, &[("auth-token", "right".to_value())]);
+    let e = sink_element(port, 0, &[("auth-token", "wrong".to_value())]);
+    let bus = bus_of(&e);
+    let mut tx = sink_harness(&e, GRAY);
+    wait_for("the sink to fail", || {
+        tx.push(buffer(vec![0; 8], 0, 1)) == Err(gst::FlowError::Error)
+    });
+    let msg = bus
+        .pop_filtered(&[gst::MessageType::Error])
+        .expect("an error message");
+    let text = error_text(&msg);
+    assert!(text.contains(&format!("{}:{port}", host())), "{text}");
+    assert!(text.contains("auth"), "{text}");
+}
+
+#[test]
+fn an_unreachable_receiver_without_reconnect_fails_the_state_change() {
+    init();
+    let port = free_port();
+    let e = sink_element(port, 0, &[("reconnect", false.to_value())]);
+    let bus = bus_of(&e);
+    assert!(e.set_state(gst::State::Paused).is_err());
+    let msg = bus
+        .pop_filtered(&[gst::MessageType::Error])
+        .expect("an error message");
+    let text = error_text(&msg);
+    assert!(text.contains(&format!("{}:{port}", host())), "{text}");
+    e.set_state(gst::State::Null).unwrap();
+}
+
+#[test]
+fn a_sender_that_goes_away_is_an_error_without_wait_for_sender() {
+    init();
+    let port = free_port();
+    // Over tcp whatever the tests run over: the sender below is a core tcp sender.
+    let e = src_element(port, 6, &[("wait-for-sender", false.to_value())]);
+    e.set_property_from_str("transport", "tcp");
+    let bus = bus_of(&e);
+    let mut rx = src_harness(&e);
+    // A core sender, so the connection can go away without an end-of-stream (an rdmasink that
+    // stops ends its stream): dropping the handle while the device is still open.
+    use rdmastream::engine::{DropPolicy, SenderHandle, SenderOptions};
+    let sender = SenderHandle::start(
+        SenderOptions {
+            name: "leaver".into(),
+            ..Default::default()
+        },
+        Box::new(rdmastream::transport::tcp::TcpConnector::new(format!(
+            "127.0.0.1:{port}"
+        ))),
+        4,
+    )
+    .unwrap();
+    let input = sender.add_device(6, DropPolicy::Block);
+    assert!(input.push(rdmastream::source::SourceFrame {
+        index: 0,
+        timestamp_ns: 1,
+        duration_ns: 0,
+        pts_ns: None,
+        format: GRAY.into(),
+        data: vec![6u8; 8].into(),
+    }));
+    assert_eq!(bytes(&rx.pull().unwrap()), vec![6; 8]);
+    drop(sender);
+    let _still_open = input;
+    let msg = bus
+        .timed_pop_filtered(
+            gst::ClockTime::from_seconds(DEADLINE.as_secs()),
+            &[gst::MessageType::Error],
+        )
+        .expect("an error message");
+    let text = error_text(&msg);
+    assert!(
+        text.contains("leaver") && text.contains("127.0.0.1"),
+        "{text}"
+    );
+}
+
+#[test]
+fn held_buffers_beyond_half_the_region_are_copied_and_nothing_stalls() {
+    init();
+    let port = free_port();
+    // 8 memory blocks: at most 4 stay retained by buffers held downstream; the rest is copied.
+    let mut rx = src(port, 7, &[("blocks", 8u32.to_value())]);
+    let mut tx = sink(port, 7, GRAY, &[]);
+    let mut held = Vec::new();
+    for i in 0..40u8 {
+        tx.push(buffer(vec![i; 8], i as u64 * 100, 100)).unwrap();
+    }
+    for i in 0..40u8 {
+        let b = rx.pull().unwrap();
+        assert_eq!(bytes(&b), vec![i; 8]);
+        held.push(b);
+    }
+    drop(held);
+    // Released blocks are reused.
+    tx.push(buffer(vec![99; 8], 4000, 100)).unwrap();
+    assert_eq!(bytes(&rx.pull().unwrap()), vec![99; 8]);
+}
+
+/// Runs `f` on a thread and waits for it, so that a hang fails the test.
+fn within_deadline(what: &str, f: impl FnOnce() + Send + 'static) {
+    let (done_tx, done_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        f();
+        let _ = done_tx.send(());
+    });
+    done_rx
+        .recv_timeout(DEADLINE)
+        .unwrap_or_else(|_| panic!("{what} hung"));
+}
+
+#[test]
+fn stopping_a_sink_blocked_on_an_absent_receiver_never_hangs() {
+    init();
+    let port = free_port();
+    let pipeline = gst::parse::launch(&format!(
+        "appsrc name=in format=time caps={GRAY} ! rdmasink name=out port={port} sync=false \
+         transport={}",
+        transport()
+    ))
+    .unwrap()
+    .downcast::<gst::Pipeline>()
+    .unwrap();
+    let appsrc = pipeline
+        .by_name("in")
+        .unwrap()
+        .downcast::<gst_app::AppSrc>()
+        .unwrap();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    for i in 0..10u8 {
+        appsrc.push_buffer(buffer(vec![i; 8], i as u64, 1)).unwrap();
+    }
+    let sink = pipeline.by_name("out").unwrap();
+    // No receiver: four frames wait in the queue and the fifth render waits for room.
+    wait_for("the sink to wait for room", || {
+        stats(&sink).get::<u64>("in-flight").unwrap_or(0) == 4
+    });
+    within_deadline("stopping the sink", move || {
+        pipeline.set_state(gst::State::Null).unwrap();
+    });
+}
+
+#[test]
+fn stopping_a_source_waiting_for_frames_never_hangs() {
+    init();
+    let port = free_port();
+    let pipeline = gst::parse::launch(&format!(
+        "rdmasrc port={port} transport={} ! fakesink",
+        transport()
+    ))
+    .unwrap()
+    .downcast::<gst::Pipeline>()
+    .unwrap();
+    pipeline.set_state(gst::State::Playing).unwrap();
+    within_deadline("stopping the source", move || {
+        pipeline.set_state(gst::State::Null).unwrap();
+    });
+}
+
+/// Sender blocks larger than the receiver's cannot be written: refused with a message saying
+/// what to set. (Smaller ones work: see `smaller_sink_blocks_than_the_receivers_work`.)
+#[test]
+fn a_block_size_larger_than_the_receivers_is_an_error_saying_what_to_set() {
+    init();
+    let port = free_port();
+    let _rx = src(port, 0, &[]);
+    let e = sink_element(port, 0, &[("block-size", (2u32 << 20).to_value())]);
+    let bus = bus_of(&e);
+    let mut tx = sink_harness(&e, GRAY);
+    wait_for("the sink to fail", || {
+        tx.push(buffer(vec![0; 8], 0, 1)) == Err(gst::FlowError::Error)
+    });
+    let msg = bus
+        .pop_filtered(&[gst::MessageType::Error])
+        .expect("an error message");
+    let text = error_text(&msg);
+    assert!(
+        text.contains(&format!("{}:{port}", host())) && text.contains("block-size=1048576"),
+        "{text}"
+    );
+}
+
+#[test]
+fn smaller_sink_blocks_than_the_receivers_work() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 6, &[]);
+    let mut tx = sink(
+        port,
+        6,
+        "application/octet-stream",
+        &[("block-size", 4096u32.to_value())],
+    );
+    let data: Vec<u8> = (0..10_000).map(|i| (i % 253) as u8).collect();
+    tx.push(buffer(data.clone(), 0, 10)).unwrap();
+    assert_eq!(bytes(&rx.pull().unwrap()), data);
+}

@@ -1,0 +1,372 @@
+//! The real plugin file in real `gst-launch-1.0` processes over the tcp transport on loopback:
+//! what a user runs. Each test starts the receiving pipeline and the sending one in either order
+//! (the sink reconnects until the receiver listens) and waits for both to exit.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::free_port;
+
+/// How long a pipeline may run before the test gives up on it (a hang, not slowness).
+const EXIT_DEADLINE: Duration = Duration::from_secs(180);
+
+/// A directory holding only the freshly built plugin (a link to it), and a private registry.
+struct PluginEnv {
+    _dir: tempfile::TempDir,
+    plugin_dir: PathBuf,
+    registry: PathBuf,
+}
+
+fn plugin_env() -> &'static PluginEnv {
+    static ENV: OnceLock<PluginEnv> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let release = !cfg!(debug_assertions);
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "--quiet", "--lib", "-p", "gst-plugin-rdma"]);
+        if release {
+            cmd.arg("--release");
+        }
+        let status = cmd
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("running cargo build");
+        assert!(status.success(), "building the plugin failed");
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+        let so = target
+            .join(if release { "release" } else { "debug" })
+            .join("libgstrdma.so");
+        assert!(so.exists(), "{} not built", so.display());
+        let dir = tempfile::tempdir().unwrap();
+        let plugin_dir = dir.path().join("plugins");
+        std::fs::create_dir(&plugin_dir).unwrap();
+        std::os::unix::fs::symlink(&so, plugin_dir.join("libgstrdma.so")).unwrap();
+        let registry = dir.path().join("registry.bin");
+        PluginEnv {
+            _dir: dir,
+            plugin_dir,
+            registry,
+        }
+    })
+}
+
+/// A running `gst-launch-1.0`, its log file, and what it is for messages.
+struct Launch {
+    child: Child,
+    log: PathBuf,
+    what: String,
+}
+
+impl Launch {
+    /// Starts `gst-launch-1.0 <pipeline>` with the plugin; output goes to `<dir>/<name>.log`.
+    fn start(dir: &Path, name: &str, pipeline: &str) -> Launch {
+        let env = plugin_env();
+        let pipeline = pipeline
+            .replace(
+                "rdmasink ",
+                &format!(
+                    "rdmasink transport={} host={} ",
+                    common::transport(),
+                    common::host()
+                ),
+            )
+            .replace(
+                "rdmasrc ",
+                &format!("rdmasrc transport={} ", common::transport()),
+            );
+        let pipeline = pipeline.as_str();
+        let log = dir.join(format!("{name}.log"));
+        let out = std::fs::File::create(&log).unwrap();
+        // gst-launch-1.0 quotes each argument it gets: one word per argument.
+        let child = Command::new("gst-launch-1.0")
+            .args(pipeline.split_whitespace())
+            .env("GST_PLUGIN_PATH", &env.plugin_dir)
+            .env("GST_REGISTRY", &env.registry)
+            .env("GST_DEBUG", "rdmastream:4,rdmasink:4,rdmasrc:4")
+            .env("GST_DEBUG_NO_COLOR", "1")
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("starting gst-launch-1.0 (is gstreamer1.0-tools installed?)");
+        Launch {
+            child,
+            log,
+            what: format!("{name}: gst-launch-1.0 {pipeline}"),
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits for the pipeline to exit and asserts it exited 0 (it ended on EOS).
+    fn success(mut self) -> String {
+        let end = Instant::now() + EXIT_DEADLINE;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > end {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "{} still running after {EXIT_DEADLINE:?}; log:\n{}",
+                    self.what,
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let log = self.log_text();
+        assert!(
+            status.success(),
+            "{} exited with {status}; log:\n{log}",
+            self.what
+        );
+        log
+    }
+
+    /// Kills the process (SIGKILL): a receiver that crashes.
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Launch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs a pipeline to completion (for reference output).
+fn run(dir: &Path, name: &str, pipeline: &str) {
+    Launch::start(dir, name, pipeline).success();
+}
+
+fn read(path: impl AsRef<Path>) -> Vec<u8> {
+    let path = path.as_ref();
+    std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The files `<prefix>NNN<suffix>` written by multifilesink, in order.
+fn numbered(dir: &Path, prefix: &str, suffix: &str) -> Vec<Vec<u8>> {
+    (0..)
+        .map(|i| dir.join(format!("{prefix}{i:03}{suffix}")))
+        .take_while(|p| p.exists())
+        .map(read)
+        .collect()
+}
+
+const RGB_VGA: &str = "video/x-raw,format=RGB,width=640,height=480,framerate=25/1";
+
+#[test]
+fn raw_video_arrives_byte_exact_and_eos_ends_both_pipelines() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    let src = format!("videotestsrc num-buffers=40 pattern=ball ! {RGB_VGA}");
+    run(
+        d,
+        "reference",
+        &format!("{src} ! filesink location=ref.raw"),
+    );
+    // 921600-byte frames in 256 KiB blocks: every frame spans four blocks.
+    let rx = Launch::start(
+        d,
+        "receiver",
+        &format!("rdmasrc port={port} device-id=3 block-size=262144 ! filesink location=out.raw"),
+    );
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!("{src} ! rdmasink port={port} device-id=3 block-size=262144 sync=false"),
+    );
+    tx.success();
+    rx.success();
+    let (expected, got) = (read(d.join("ref.raw")), read(d.join("out.raw")));
+    assert_eq!(expected.len(), 40 * 921_600);
+    assert!(expected == got, "received bytes differ from videotestsrc's");
+}
+
+#[test]
+fn a_variable_size_jpeg_stream_arrives_intact_with_its_caps() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    let src = "videotestsrc num-buffers=30 pattern=ball ! \
+               video/x-raw,width=320,height=240,framerate=25/1 ! jpegenc";
+    run(
+        d,
+        "reference",
+        &format!("{src} ! multifilesink location=ref-%03d.jpg"),
+    );
+    // jpegdec only links if the caps that arrive are image/jpeg.
+    let rx = Launch::start(
+        d,
+        "receiver",
+        &format!(
+            "rdmasrc port={port} device-id=0 ! tee name=t ! queue ! multifilesink \
+             location=out-%03d.jpg  t. ! queue ! jpegdec ! fakesink"
+        ),
+    );
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!("{src} ! rdmasink port={port} device-id=0 sync=false"),
+    );
+    tx.success();
+    rx.success();
+    let (expected, got) = (numbered(d, "ref-", ".jpg"), numbered(d, "out-", ".jpg"));
+    assert_eq!(expected.len(), 30);
+    let sizes: std::collections::BTreeSet<usize> = expected.iter().map(Vec::len).collect();
+    assert!(sizes.len() > 1, "jpeg frames should vary in size");
+    assert!(expected == got, "received jpeg frames differ");
+}
+
+#[test]
+fn caps_change_mid_stream_and_downstream_renegotiates() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    let rx = Launch::start(
+        d,
+        "receiver",
+        &format!(
+            "rdmasrc port={port} device-id=1 ! videoconvert ! video/x-raw,format=I420 ! \
+             multifilesink location=out-%03d.yuv"
+        ),
+    );
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!(
+            "concat name=c ! rdmasink port={port} device-id=1 sync=false \
+             videotestsrc num-buffers=5 ! video/x-raw,format=RGB,width=320,height=240,framerate=25/1 ! c. \
+             videotestsrc num-buffers=5 ! video/x-raw,format=RGB,width=160,height=120,framerate=25/1 ! c."
+        ),
+    );
+    tx.success();
+    rx.success();
+    let sizes: Vec<usize> = numbered(d, "out-", ".yuv").iter().map(Vec::len).collect();
+    assert_eq!(
+        sizes,
+        [vec![320 * 240 * 3 / 2; 5], vec![160 * 120 * 3 / 2; 5]].concat()
+    );
+}
+
+#[test]
+fn two_sinks_share_one_connection_into_one_process_with_two_sources() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    let caps = "video/x-raw,format=RGB,width=320,height=240,framerate=25/1";
+    let one = format!("videotestsrc num-buffers=25 pattern=ball ! {caps}");
+    let two = format!("videotestsrc num-buffers=35 pattern=smpte horizontal-speed=3 ! {caps}");
+    run(
+        d,
+        "reference-1",
+        &format!("{one} ! filesink location=ref1.raw"),
+    );
+    run(
+        d,
+        "reference-2",
+        &format!("{two} ! filesink location=ref2.raw"),
+    );
+    let rx = Launch::start(
+        d,
+        "receiver",
+        &format!(
+            "rdmasrc port={port} device-id=1 ! filesink location=out1.raw \
+             rdmasrc port={port} device-id=2 ! filesink location=out2.raw"
+        ),
+    );
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!(
+            "{one} ! rdmasink port={port} device-id=1 sync=false \
+             {two} ! rdmasink port={port} device-id=2 sync=false"
+        ),
+    );
+    tx.success();
+    let log = rx.success();
+    assert!(
+        read(d.join("ref1.raw")) == read(d.join("out1.raw")),
+        "device 1"
+    );
+    assert!(
+        read(d.join("ref2.raw")) == read(d.join("out2.raw")),
+        "device 2"
+    );
+    // One shared connection (one queue pair) carried both devices.
+    assert_eq!(log.matches("sender connected").count(), 1, "{log}");
+}
+
+#[test]
+fn a_receiver_restarted_mid_stream_gets_the_rest_of_the_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    const FRAME: usize = 160 * 120 * 3;
+    let caps = "video/x-raw,format=RGB,width=160,height=120,framerate=50/1";
+    run(
+        d,
+        "reference",
+        &format!("videotestsrc num-buffers=250 pattern=ball ! {caps} ! filesink location=ref.raw"),
+    );
+    let receiver = |name: &str, prefix: &str| {
+        Launch::start(
+            d,
+            name,
+            &format!(
+                "rdmasrc port={port} device-id=0 ! videoconvert ! video/x-raw,format=RGB ! \
+                 multifilesink location={prefix}-%03d.raw"
+            ),
+        )
+    };
+    let first = receiver("receiver-1", "first");
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!(
+            "videotestsrc is-live=true num-buffers=250 pattern=ball ! {caps} ! \
+             rdmasink port={port} device-id=0 drop-policy=drop-oldest"
+        ),
+    );
+    common::wait_for("the first receiver to write frames", || {
+        d.join("first-005.raw").exists()
+    });
+    first.kill();
+    let second = receiver("receiver-2", "second");
+    tx.success();
+    second.success();
+    // Every frame the restarted receiver wrote is one of videotestsrc's, in order.
+    let reference = read(d.join("ref.raw"));
+    let frames: Vec<&[u8]> = reference.chunks(FRAME).collect();
+    let got = numbered(d, "second-", ".raw");
+    eprintln!(
+        "first receiver: {} frames, restarted receiver: {} frames",
+        numbered(d, "first-", ".raw").len(),
+        got.len()
+    );
+    assert!(!got.is_empty(), "the restarted receiver got no frame");
+    let mut next = 0;
+    for (k, f) in got.iter().enumerate() {
+        let pos = frames[next..]
+            .iter()
+            .position(|r| r == f)
+            .unwrap_or_else(|| {
+                panic!("frame {k} of the restarted receiver is not a later source frame")
+            });
+        next += pos + 1;
+    }
+}
