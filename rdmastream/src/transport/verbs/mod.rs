@@ -446,8 +446,9 @@ impl Connection for VerbsConnection {
             if start.elapsed() >= timeout {
                 return self.check_side_channel();
             }
-            // Spin briefly (completions on a fast NIC come within microseconds), then back off.
-            if start.elapsed() > Duration::from_micros(50) {
+            // Spin first (completions come within microseconds on a NIC, tens of them on rxe;
+            // a sleep costs a scheduler round trip), then back off.
+            if start.elapsed() > Duration::from_micros(200) {
                 std::thread::sleep(pause.min(timeout.saturating_sub(start.elapsed())));
                 pause = (pause * 2).min(Duration::from_micros(200));
             } else {
