@@ -20,9 +20,10 @@ use std::time::{Duration, Instant};
 
 use rdmastream::engine::{
     DropPolicy, FrameSink, ReceiverHandle, ReceiverOptions, SenderHandle, SenderOptions, StreamKey,
+    post_action,
 };
 use rdmastream::proto::handshake::{DataPath, Hello, PROTOCOL_VERSION, QpInfo};
-use rdmastream::proto::{Action, BlockScanner, SenderMachine, status};
+use rdmastream::proto::{BlockScanner, SenderMachine, status};
 use rdmastream::proto::{StreamEvent, payload_capacity};
 use rdmastream::source::SourceFrame;
 use rdmastream::stats::DeviceCounters;
@@ -30,7 +31,7 @@ use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{TcpConnector, TcpListenerTransport};
 use rdmastream::transport::verbs::{VerbsConnector, VerbsListener, VerbsSettings};
 use rdmastream::transport::{Connector, Listener, RegionSettings};
-use rdmastream::transport::{RemoteAddr, Target, WriteSource, WriteWr};
+use rdmastream::transport::{RemoteAddr, Target};
 
 const SIZES: [usize; 10] = [
     64,
@@ -219,49 +220,7 @@ fn transport_rate(
             break;
         }
         while let Some(a) = m.poll_action(now) {
-            match a {
-                Action::Write {
-                    wr_id,
-                    send_block,
-                    remote_block,
-                    len,
-                } => {
-                    let chain = [
-                        WriteWr {
-                            source: WriteSource::SendBlock {
-                                index: send_block,
-                                len,
-                            },
-                            remote: RemoteAddr {
-                                target: Target::Blocks,
-                                offset: (remote_block * block) as u64,
-                            },
-                            signaled: false,
-                        },
-                        WriteWr {
-                            source: WriteSource::Inline(&[status::FULL]),
-                            remote: RemoteAddr {
-                                target: Target::Statuses,
-                                offset: remote_block as u64,
-                            },
-                            signaled: true,
-                        },
-                    ];
-                    conn.post_write_chain(wr_id, &chain).unwrap();
-                }
-                Action::Sync { wr_id } => {
-                    let n = conn.layout().blocks;
-                    conn.post_read(
-                        wr_id,
-                        RemoteAddr {
-                            target: Target::Statuses,
-                            offset: 0,
-                        },
-                        n,
-                    )
-                    .unwrap();
-                }
-            }
+            post_action(conn.as_mut(), a, block).unwrap();
         }
         done.clear();
         conn.poll_completions(&mut done, Duration::from_millis(1))

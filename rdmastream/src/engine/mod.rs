@@ -5,4 +5,4 @@ pub mod receiver;
 pub mod sender;
 
 pub use receiver::{FrameSink, ReceiverHandle, ReceiverOptions, StreamKey};
-pub use sender::{DeviceInput, DropPolicy, SenderHandle, SenderOptions, SenderReport};
+pub use sender::{DeviceInput, DropPolicy, SenderHandle, SenderOptions, SenderReport, post_action};

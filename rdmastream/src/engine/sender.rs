@@ -535,8 +535,10 @@ impl Sending {
     }
 }
 
-/// Posts one action on the connection.
-fn execute(conn: &mut dyn Connection, action: Action, block_size: usize) -> Result<()> {
+/// Posts one action of the [`SenderMachine`] on `conn`: a write chain (data WRITE unsignaled,
+/// then the status byte 1 inline and signaled) or the sync READ of the whole status array.
+/// `block_size` is the receiver's (remote offsets are `remote_block × block_size`).
+pub fn post_action(conn: &mut dyn Connection, action: Action, block_size: usize) -> Result<()> {
     match action {
         Action::Write {
             wr_id,
@@ -679,7 +681,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
         let remote_block_size = c.layout().block_size;
         let mut result = Ok(());
         while let Some(action) = s.machine.poll_action(now) {
-            result = execute(c.as_mut(), action, remote_block_size);
+            result = post_action(c.as_mut(), action, remote_block_size);
             if result.is_err() {
                 break;
             }
