@@ -364,6 +364,7 @@ fn filling_thread(
 ) {
     let mut devices: Vec<DeviceState> = Vec::new();
     let mut ended: std::collections::HashMap<u8, DeviceNumbering> = Default::default();
+    let mut returning: Vec<(u8, Receiver<Msg>)> = Vec::new();
     let mut control_open = true;
     let block_size = blocks.block_size();
     // Takes a free send block; gives up only on abort.
@@ -436,6 +437,11 @@ fn filling_thread(
         let index = op.index();
         if Some(index) == control_op {
             match op.recv(&control) {
+                // The same device number coming back before its previous stream's end was
+                // filled: start it once that end is through, so numbering carries on.
+                Ok(Control::Device(device, rx)) if devices.iter().any(|d| d.device == device) => {
+                    returning.push((device, rx));
+                }
                 Ok(Control::Device(device, rx)) => devices.push(DeviceState {
                     device,
                     rx,
@@ -491,7 +497,21 @@ fn filling_thread(
                     MessageTimes::at(unix_now_ns()),
                 );
                 let gone = devices.remove(pos);
-                ended.insert(gone.device, gone.numbering);
+                match returning.iter().position(|(d, _)| *d == gone.device) {
+                    Some(k) => {
+                        let (device, rx) = returning.remove(k);
+                        devices.push(DeviceState {
+                            device,
+                            rx,
+                            numbering: gone.numbering,
+                            format: None,
+                            format_epoch: 0,
+                        });
+                    }
+                    None => {
+                        ended.insert(gone.device, gone.numbering);
+                    }
+                }
                 ok
             }
         };
