@@ -105,6 +105,82 @@ pub(crate) fn recv_message(stream: &mut TcpStream) -> std::result::Result<Vec<u8
     Ok(body)
 }
 
+/// The sender's half of the handshake on a new side-channel connection to `peer`: sends
+/// `hello`, returns the stream (read timeout cleared) and the receiver's Welcome; a refusal is
+/// [`Error::Refused`] with the receiver's reason.
+pub(crate) fn client_handshake(peer: &str, hello: &Hello) -> Result<(TcpStream, Welcome)> {
+    let connect_err = |source| Error::Connect {
+        peer: peer.to_string(),
+        source,
+    };
+    let sock = resolve(peer).map_err(connect_err)?;
+    let mut stream =
+        TcpStream::connect_timeout(&sock, Duration::from_secs(3)).map_err(connect_err)?;
+    stream.set_nodelay(true).map_err(connect_err)?;
+    let hs_err = |reason: String| Error::Handshake {
+        peer: peer.to_string(),
+        reason,
+    };
+    stream
+        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+        .map_err(|e| hs_err(e.to_string()))?;
+    send_message(&mut stream, &hello.encode())
+        .map_err(|e| hs_err(format!("sending hello: {e}")))?;
+    let body = recv_message(&mut stream).map_err(hs_err)?;
+    let welcome = Welcome::decode(&body).map_err(|e| hs_err(format!("bad welcome: {e}")))?;
+    if !welcome.error.is_empty() {
+        return Err(Error::Refused {
+            peer: peer.to_string(),
+            reason: welcome.error,
+        });
+    }
+    stream
+        .set_read_timeout(None)
+        .map_err(|e| hs_err(e.to_string()))?;
+    Ok((stream, welcome))
+}
+
+/// Refuses a connection: logs why with the peer, answers with a refusal, closes.
+pub(crate) fn refuse(stream: &mut TcpStream, peer: &str, why: String) {
+    tracing::warn!(%peer, "rejected connection: {why}");
+    let _ = send_message(stream, &Welcome::refusal(why).encode());
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// The receiver's first half of the handshake: reads and validates the Hello (format, data
+/// path, token). On any problem the connection is refused and `None` returned; nothing has been
+/// allocated for it yet. Returns the peer's address too, for logs.
+pub(crate) fn server_hello(
+    stream: &mut TcpStream,
+    settings: &RegionSettings,
+    path: DataPath,
+    wrong_path: &str,
+) -> Option<(Hello, String)> {
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "unknown peer".into());
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let _ = stream.set_nodelay(true);
+    let hello = recv_message(stream).and_then(|b| Hello::decode(&b).map_err(|e| e.to_string()));
+    let hello = match hello {
+        Ok(h) => h,
+        Err(e) => {
+            refuse(stream, &peer, format!("bad handshake: {e}"));
+            return None;
+        }
+    };
+    if hello.data_path != path {
+        refuse(stream, &peer, wrong_path.to_string());
+        return None;
+    }
+    if let Err(why) = check_hello(&hello, settings) {
+        refuse(stream, &peer, format!("sender '{}': {why}", hello.sender));
+        return None;
+    }
+    Some((hello, peer))
+}
+
 pub(crate) fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
     addr.to_socket_addrs()?.next().ok_or_else(|| {
         std::io::Error::new(std::io::ErrorKind::NotFound, "address resolves to nothing")
@@ -132,38 +208,15 @@ impl Connector for TcpConnector {
     }
     fn connect(&self, hello: &Hello, blocks: &Arc<SendBlocks>) -> Result<Box<dyn Connection>> {
         let peer = self.addr.clone();
-        let connect_err = |source| Error::Connect {
-            peer: peer.clone(),
-            source,
-        };
-        let sock = resolve(&self.addr).map_err(connect_err)?;
-        let mut stream =
-            TcpStream::connect_timeout(&sock, Duration::from_secs(3)).map_err(connect_err)?;
-        stream.set_nodelay(true).map_err(connect_err)?;
-        let hs_err = |reason: String| Error::Handshake {
-            peer: peer.clone(),
-            reason,
-        };
-        stream
-            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-            .map_err(|e| hs_err(e.to_string()))?;
         let hello = Hello {
             data_path: DataPath::Tcp,
             ..hello.clone()
         };
-        send_message(&mut stream, &hello.encode())
-            .map_err(|e| hs_err(format!("sending hello: {e}")))?;
-        let body = recv_message(&mut stream).map_err(hs_err)?;
-        let welcome = Welcome::decode(&body).map_err(|e| hs_err(format!("bad welcome: {e}")))?;
-        if !welcome.error.is_empty() {
-            return Err(Error::Refused {
-                peer,
-                reason: welcome.error,
-            });
-        }
-        stream
-            .set_read_timeout(None)
-            .map_err(|e| hs_err(e.to_string()))?;
+        let (stream, welcome) = client_handshake(&peer, &hello)?;
+        let connect_err = |source| Error::Connect {
+            peer: peer.clone(),
+            source,
+        };
         let layout = RemoteLayout {
             blocks: welcome.blocks as usize,
             block_size: welcome.block_size as usize,
@@ -450,42 +503,12 @@ impl Listener for TcpListenerTransport {
 /// Runs the receiver's half of the handshake. On any problem logs one line naming the peer,
 /// closes the connection and returns `None`; nothing is allocated before the Hello is valid.
 fn handshake(mut stream: TcpStream, settings: &RegionSettings) -> Option<Accepted> {
-    let peer = stream
-        .peer_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_else(|_| "unknown peer".into());
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let _ = stream.set_nodelay(true);
-    let refuse = |stream: &mut TcpStream, why: String| {
-        tracing::warn!(%peer, "rejected connection: {why}");
-        let _ = send_message(stream, &Welcome::refusal(why).encode());
-        let _ = stream.shutdown(Shutdown::Both);
-    };
-    let body = match recv_message(&mut stream) {
-        Ok(b) => b,
-        Err(e) => {
-            refuse(&mut stream, format!("bad handshake: {e}"));
-            return None;
-        }
-    };
-    let hello = match Hello::decode(&body) {
-        Ok(h) => h,
-        Err(e) => {
-            refuse(&mut stream, format!("bad handshake: {e}"));
-            return None;
-        }
-    };
-    if hello.data_path != DataPath::Tcp {
-        refuse(
-            &mut stream,
-            "this receiver speaks the tcp transport only".into(),
-        );
-        return None;
-    }
-    if let Err(why) = check_hello(&hello, settings) {
-        refuse(&mut stream, format!("sender '{}': {why}", hello.sender));
-        return None;
-    }
+    let (hello, peer) = server_hello(
+        &mut stream,
+        settings,
+        DataPath::Tcp,
+        "this receiver speaks the tcp transport only",
+    )?;
     let region = SoftRegion::new(settings);
     let welcome = Welcome {
         blocks: settings.blocks as u32,

@@ -28,11 +28,10 @@ use self::ibv::{
     AccessFlags, CompletionQueue, ConnectedQp, Context, Gid, MemoryRegion, ProtectionDomain,
     QpCaps, QpConfig, QpEndpoint,
 };
-use super::tcp::{HANDSHAKE_TIMEOUT, recv_message, send_message};
+use super::tcp::{client_handshake, refuse, send_message, server_hello};
 use super::{
     Accepted, Completion, Connection, Connector, HeldBytes, Listener, Region, RegionSettings,
     RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource, WriteWr,
-    check_hello,
 };
 use crate::error::{Error, Result, spawn};
 use crate::proto::handshake::{DataPath, Hello, QpInfo, Welcome};
@@ -235,21 +234,6 @@ impl Connector for VerbsConnector {
             .ok_or_else(|| {
                 Error::invalid("send blocks", "not registered by this verbs transport")
             })?;
-        let connect_err = |source| Error::Connect {
-            peer: peer.clone(),
-            source,
-        };
-        let sock = super::tcp::resolve(&self.addr).map_err(connect_err)?;
-        let mut side =
-            TcpStream::connect_timeout(&sock, Duration::from_secs(3)).map_err(connect_err)?;
-        let hs_err = |reason: String| Error::Handshake {
-            peer: peer.clone(),
-            reason,
-        };
-        side.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-            .map_err(|e| hs_err(e.to_string()))?;
-        let _ = side.set_nodelay(true);
-
         let depth = self.max_outstanding;
         let cq = self
             .ctx
@@ -278,25 +262,17 @@ impl Connector for VerbsConnector {
             qp: qp_info(&qp.handshake_info()),
             ..hello.clone()
         };
-        send_message(&mut side, &hello.encode())
-            .map_err(|e| hs_err(format!("sending hello: {e}")))?;
-        let body = recv_message(&mut side).map_err(hs_err)?;
-        let welcome = Welcome::decode(&body).map_err(|e| hs_err(format!("bad welcome: {e}")))?;
-        if !welcome.error.is_empty() {
-            return Err(Error::Refused {
-                peer,
-                reason: welcome.error,
-            });
-        }
+        let (side, welcome) = client_handshake(&peer, &hello)?;
         let qp = qp
             .connect(&endpoint(&welcome.qp))
             .map_err(|e| rdma_err(format!("connecting the queue pair to {peer}"), e))?;
         // Keep the side channel open: its end tells either side that the other is gone (a dead
         // receiver's queue pair just stops answering on rxe; the side channel says so at once).
         // Non-blocking, so the liveness check in poll_completions only peeks.
-        side.set_read_timeout(None)
-            .and_then(|_| side.set_nonblocking(true))
-            .map_err(|e| hs_err(e.to_string()))?;
+        side.set_nonblocking(true).map_err(|e| Error::Handshake {
+            peer: peer.clone(),
+            reason: e.to_string(),
+        })?;
         let layout = RemoteLayout {
             blocks: welcome.blocks as usize,
             block_size: welcome.block_size as usize,
@@ -628,33 +604,12 @@ fn handshake(
     settings: &RegionSettings,
     verbs: &VerbsSettings,
 ) -> Option<Accepted> {
-    let peer = side
-        .peer_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_else(|_| "unknown peer".into());
-    let _ = side.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let _ = side.set_nodelay(true);
-    let refuse = |side: &mut TcpStream, why: String| {
-        tracing::warn!(%peer, "rejected connection: {why}");
-        let _ = send_message(side, &Welcome::refusal(why).encode());
-        let _ = side.shutdown(Shutdown::Both);
-    };
-    let hello =
-        match recv_message(&mut side).and_then(|b| Hello::decode(&b).map_err(|e| e.to_string())) {
-            Ok(h) => h,
-            Err(e) => {
-                refuse(&mut side, format!("bad handshake: {e}"));
-                return None;
-            }
-        };
-    if hello.data_path != DataPath::Verbs {
-        refuse(&mut side, "this receiver speaks the verbs transport; set transport = \"verbs\" or \"auto\" on the sender".into());
-        return None;
-    }
-    if let Err(why) = check_hello(&hello, settings) {
-        refuse(&mut side, format!("sender '{}': {why}", hello.sender));
-        return None;
-    }
+    let (hello, peer) = server_hello(
+        &mut side,
+        settings,
+        DataPath::Verbs,
+        "this receiver speaks the verbs transport; set transport = \"verbs\" or \"auto\" on the sender",
+    )?;
     match build_region(ctx, settings, verbs, &hello) {
         Ok((region, welcome)) => {
             if send_message(&mut side, &welcome.encode()).is_err() {
@@ -681,6 +636,7 @@ fn handshake(
         Err(e) => {
             refuse(
                 &mut side,
+                &peer,
                 format!("cannot set up RDMA for sender '{}': {e}", hello.sender),
             );
             None
