@@ -89,8 +89,9 @@ pub fn connector(
 
 /// A listener on `addr` (`address:port`) over `transport`, offering `settings` to each sender.
 ///
-/// A listener of this process that was just stopped may hold the address for a moment longer
-/// (its accepting thread closes the socket); an address in use is retried for up to a second.
+/// A listener frees its address when it is dropped, but the last `rdmasrc` of a shared listener
+/// may be releasing it on another streaming thread at this moment; an address in use is retried
+/// for up to a second before it is reported.
 pub fn listener(
     transport: Transport,
     addr: &str,

@@ -652,3 +652,30 @@ fn a_new_receiver_gets_the_format_again_after_a_reconnect() {
         "no format before the first frame: {events:?}"
     );
 }
+
+/// A dropped listener has closed its socket by the time the drop returns, so a receiver
+/// restarted in the same process can bind the same address at once, even while a sender keeps
+/// knocking on it.
+#[test]
+fn a_dropped_listener_frees_its_address_at_once() {
+    let first = TcpListenerTransport::bind("127.0.0.1:0", settings(2, 4096, vec![])).unwrap();
+    let addr = first.local_addr();
+    drop(first);
+    let knocking = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let knocker = {
+        let (knocking, addr) = (knocking.clone(), addr.clone());
+        std::thread::spawn(move || {
+            while knocking.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::net::TcpStream::connect(&addr);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    for round in 0..50 {
+        let l = TcpListenerTransport::bind(&addr, settings(2, 4096, vec![]))
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        drop(l);
+    }
+    knocking.store(false, std::sync::atomic::Ordering::Relaxed);
+    knocker.join().unwrap();
+}

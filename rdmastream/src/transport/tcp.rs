@@ -440,15 +440,73 @@ impl Connection for TcpConnection {
 pub struct TcpListenerTransport {
     local: String,
     rx: Receiver<Accepted>,
-    stop: Arc<AtomicBool>,
+    _accepting: AcceptLoop,
 }
 
-impl Drop for TcpListenerTransport {
+/// The thread that accepts side-channel connections for a listener.
+///
+/// Dropping it stops the thread and waits for it, so the listening socket is closed and the
+/// address can be bound again as soon as the drop returns (a receiver restarted in the same
+/// process must not see "address in use").
+pub(crate) struct AcceptLoop {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// How long the accepting thread sleeps when no connection is pending; bounds how late a drop
+/// returns and how late a connection is picked up.
+const ACCEPT_POLL: Duration = Duration::from_millis(5);
+
+impl AcceptLoop {
+    /// Accepts on `listener` in a thread named `name` and hands each connection, blocking again,
+    /// to `on_connection` until the loop is dropped.
+    pub(crate) fn start(
+        name: &str,
+        listener: TcpListener,
+        mut on_connection: impl FnMut(TcpStream) + Send + 'static,
+    ) -> Result<AcceptLoop> {
+        listener
+            .set_nonblocking(true)
+            .map_err(|source| Error::Listen {
+                addr: listener
+                    .local_addr()
+                    .map(|a| a.to_string())
+                    .unwrap_or_default(),
+                source,
+            })?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let thread = spawn(name, move || {
+            while !stopping.load(Ordering::Acquire) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        if stream.set_nonblocking(false).is_ok() {
+                            on_connection(stream);
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(ACCEPT_POLL)
+                    }
+                    Err(e) => {
+                        // Out of descriptors and the like: say so, keep serving.
+                        tracing::debug!("accept failed: {e}");
+                        std::thread::sleep(ACCEPT_POLL);
+                    }
+                }
+            }
+        })?;
+        Ok(AcceptLoop {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for AcceptLoop {
     fn drop(&mut self) {
-        // Wake the accepting thread so it sees the flag and releases the port.
         self.stop.store(true, Ordering::Release);
-        if let Ok(addr) = resolve(&self.local) {
-            let _ = TcpStream::connect_timeout(&addr, Duration::from_millis(200));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }
@@ -464,26 +522,18 @@ impl TcpListenerTransport {
         let local = listener.local_addr().map_err(listen_err)?.to_string();
         let (tx, rx) = crossbeam_channel::unbounded();
         let settings = Arc::new(settings);
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop_accepting = stop.clone();
-        spawn("tcp-accept", move || {
-            for stream in listener.incoming() {
-                let Ok(stream) = stream else { continue };
-                if stop.load(Ordering::Acquire) {
-                    break;
+        let accepting = AcceptLoop::start("tcp-accept", listener, move |stream| {
+            let (tx, settings) = (tx.clone(), settings.clone());
+            let _ = spawn("tcp-handshake", move || {
+                if let Some(accepted) = handshake(stream, &settings) {
+                    let _ = tx.send(accepted);
                 }
-                let (tx, settings) = (tx.clone(), settings.clone());
-                let _ = spawn("tcp-handshake", move || {
-                    if let Some(accepted) = handshake(stream, &settings) {
-                        let _ = tx.send(accepted);
-                    }
-                });
-            }
+            });
         })?;
         Ok(TcpListenerTransport {
             local,
             rx,
-            stop: stop_accepting,
+            _accepting: accepting,
         })
     }
 }

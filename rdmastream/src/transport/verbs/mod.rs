@@ -28,7 +28,7 @@ use self::ibv::{
     AccessFlags, CompletionQueue, ConnectedQp, Context, Gid, MemoryRegion, ProtectionDomain,
     QpCaps, QpConfig, QpEndpoint,
 };
-use super::tcp::{client_handshake, refuse, send_message, server_hello};
+use super::tcp::{AcceptLoop, client_handshake, refuse, send_message, server_hello};
 use super::{
     Accepted, Completion, Connection, Connector, HeldBytes, Listener, Region, RegionSettings,
     RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource, WriteWr,
@@ -535,7 +535,7 @@ impl HeldBytes for VerbsHeld {
 pub struct VerbsListener {
     local: String,
     rx: Receiver<Accepted>,
-    stop: Arc<AtomicBool>,
+    _accepting: AcceptLoop,
 }
 
 impl VerbsListener {
@@ -553,34 +553,21 @@ impl VerbsListener {
         let listener = TcpListener::bind(addr).map_err(listen_err)?;
         let local = listener.local_addr().map_err(listen_err)?.to_string();
         let (tx, rx) = crossbeam_channel::unbounded();
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopping = stop.clone();
         let shared = Arc::new((ctx, region, settings));
-        spawn("verbs-accept", move || {
-            for stream in listener.incoming() {
-                if stopping.load(Ordering::Acquire) {
-                    break;
+        let accepting = AcceptLoop::start("verbs-accept", listener, move |stream| {
+            let (tx, shared) = (tx.clone(), shared.clone());
+            let _ = spawn("verbs-handshake", move || {
+                let (ctx, region, settings) = &*shared;
+                if let Some(a) = handshake(stream, ctx, region, settings) {
+                    let _ = tx.send(a);
                 }
-                let Ok(stream) = stream else { continue };
-                let (tx, shared) = (tx.clone(), shared.clone());
-                let _ = spawn("verbs-handshake", move || {
-                    let (ctx, region, settings) = &*shared;
-                    if let Some(a) = handshake(stream, ctx, region, settings) {
-                        let _ = tx.send(a);
-                    }
-                });
-            }
+            });
         })?;
-        Ok(VerbsListener { local, rx, stop })
-    }
-}
-
-impl Drop for VerbsListener {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Ok(a) = super::tcp::resolve(&self.local) {
-            let _ = TcpStream::connect_timeout(&a, Duration::from_millis(200));
-        }
+        Ok(VerbsListener {
+            local,
+            rx,
+            _accepting: accepting,
+        })
     }
 }
 
