@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rdmastream::engine::{FrameSink, ReceiverHandle, ReceiverOptions, StreamKey};
 use rdmastream::proto::{Frame, StreamEvent};
 use rdmastream::stats::DeviceCounters;
-use rdmastream::transport::{Accepted, Listener, Region, RegionSettings};
+use rdmastream::transport::{Accepted, Listener, MAX_REFUSALS, Refusal, Region, RegionSettings};
 
 use crate::transport::{self, DropPolicy, Transport, VerbsSettings};
 
@@ -190,9 +190,36 @@ struct Connection {
 pub struct SenderTable {
     connections: Mutex<Vec<Connection>>,
     accepted: std::sync::atomic::AtomicU64,
+    /// The newest refusals, numbered from 1 in order; at most `MAX_REFUSALS`.
+    refusals: Mutex<VecDeque<(u64, Refusal)>>,
 }
 
 impl SenderTable {
+    /// The number of the newest refusal so far (0: none).
+    pub fn last_refusal(&self) -> u64 {
+        self.refusals.lock().unwrap().back().map_or(0, |(n, _)| *n)
+    }
+
+    /// The refusals numbered after `seen`, oldest first (older ones may have been forgotten).
+    pub fn refusals_after(&self, seen: u64) -> Vec<(u64, Refusal)> {
+        self.refusals
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(n, _)| *n > seen)
+            .cloned()
+            .collect()
+    }
+
+    fn record_refusal(&self, r: Refusal) {
+        let mut q = self.refusals.lock().unwrap();
+        let n = q.back().map_or(0, |(n, _)| *n) + 1;
+        if q.len() == MAX_REFUSALS {
+            q.pop_front();
+        }
+        q.push_back((n, r));
+    }
+
     /// True while `sender` has a connection whose region is still open.
     pub fn is_connected(&self, sender: &str) -> bool {
         self.connections
@@ -259,6 +286,13 @@ impl Listener for ObservedListener {
             self.table.record(a);
         }
         r
+    }
+    fn refusals(&mut self) -> Vec<Refusal> {
+        let refused = self.inner.refusals();
+        for r in &refused {
+            self.table.record_refusal(r.clone());
+        }
+        refused
     }
 }
 

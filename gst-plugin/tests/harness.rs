@@ -269,11 +269,15 @@ fn sources_choose_among_senders_by_name() {
     assert_eq!(bytes(&from_b.pull().unwrap()), vec![0xb; 8]);
 }
 
+/// The sink posts an error naming the receiver; the source, which goes on serving other
+/// senders, posts a warning naming the refused peer and why.
 #[test]
 fn a_refused_token_is_an_error_naming_the_receiver() {
     init();
     let port = free_port();
-    let _rx = src(port, 0, &[("auth-token", "right".to_value())]);
+    let rx_element = src_element(port, 0, &[("auth-token", "right".to_value())]);
+    let rx_bus = bus_of(&rx_element);
+    let _rx = src_harness(&rx_element);
     let e = sink_element(port, 0, &[("auth-token", "wrong".to_value())]);
     let bus = bus_of(&e);
     let mut tx = sink_harness(&e, GRAY);
@@ -286,6 +290,18 @@ fn a_refused_token_is_an_error_naming_the_receiver() {
     let text = error_text(&msg);
     assert!(text.contains(&format!("{}:{port}", host())), "{text}");
     assert!(text.contains("auth"), "{text}");
+    let msg = rx_bus
+        .timed_pop_filtered(
+            gst::ClockTime::from_seconds(DEADLINE.as_secs()),
+            &[gst::MessageType::Warning],
+        )
+        .expect("a warning from the source");
+    let text = error_text(&msg);
+    assert!(
+        text.contains("Refused a connection from") && text.contains(&host()),
+        "{text}"
+    );
+    assert!(text.contains("auth token"), "{text}");
 }
 
 #[test]

@@ -423,6 +423,11 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
         tail(&rx_log)
     );
     assert!(
+        rx_text.contains("2 connections refused"),
+        "{}",
+        tail(&rx_log)
+    );
+    assert!(
         !out.join("intruder").exists(),
         "nothing may be written for a refused sender"
     );

@@ -243,7 +243,7 @@ fn two_senders_into_one_receiver_each_get_their_own_region_and_output() {
 fn wrong_token_is_refused_with_the_reason() {
     let listener = TcpListenerTransport::bind("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
     let addr = listener.local_addr();
-    let _receiver = ReceiverHandle::start(
+    let receiver = ReceiverHandle::start(
         ReceiverOptions::default(),
         Box::new(listener),
         Arc::new(Collect::default()),
@@ -264,6 +264,13 @@ fn wrong_token_is_refused_with_the_reason() {
         err.contains("refused") && err.contains("auth token") && err.contains(&addr),
         "{err}"
     );
+    // The sender gives up after the first refusal; the receiver counted it.
+    assert!(
+        wait_until(Duration::from_secs(5), || receiver.refused() == 1),
+        "refused: {}",
+        receiver.refused()
+    );
+    assert!(receiver.counters().all().is_empty());
 }
 
 #[test]

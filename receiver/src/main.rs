@@ -359,7 +359,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     let counters = receiver.counters().all();
     let reorder = receiver.reorder_stats();
     let invalid = receiver.invalid().all();
-    let (blocks, idle) = (receiver.blocks(), receiver.idle_polls());
+    let (blocks, idle, refused) = (receiver.blocks(), receiver.idle_polls(), receiver.refused());
     receiver.stop();
     let mut mismatched = 0;
     for (key, c) in &counters {
@@ -384,7 +384,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     }
     let p = line.total_latency();
     tracing::info!(
-        "summary: {blocks} blocks, {idle} idle polls, {} work requests posted by the receiver, invalid blocks {:?}, latency p50 {:?} p99 {:?}",
+        "summary: {blocks} blocks, {idle} idle polls, {refused} connections refused, {} work requests posted by the receiver, invalid blocks {:?}, latency p50 {:?} p99 {:?}",
         posted_work_requests(),
         invalid,
         p.quantile(0.5),

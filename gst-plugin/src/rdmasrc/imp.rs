@@ -105,6 +105,8 @@ struct Started {
     /// Idle checks in a row that found the sender gone, and whether that was reported.
     gone_checks: u32,
     gone_reported: bool,
+    /// The newest refusal of the listener this element already warned about.
+    refusals_seen: u64,
 }
 
 #[derive(Default)]
@@ -258,6 +260,31 @@ impl RdmaSrc {
             }
         }
         Ok(Some(buffer))
+    }
+
+    /// Posts a warning for each connection the shared listener refused since the last check: a
+    /// sender with the wrong token or transport must be visible on the bus, not only in a log.
+    /// A warning, not an error: the refused peer does not stop the streams of the others.
+    fn report_refusals(&self) {
+        let fresh = {
+            let mut state = self.state.lock().unwrap();
+            let State::Started(s) = &mut *state else {
+                return;
+            };
+            let fresh = s.senders.refusals_after(s.refusals_seen);
+            if let Some((n, _)) = fresh.last() {
+                s.refusals_seen = *n;
+            }
+            fresh
+        };
+        for (_, r) in fresh {
+            gst::element_imp_warning!(
+                self,
+                gst::ResourceError::OpenRead,
+                ("Refused a connection from {}", r.peer),
+                ["{}", r.why]
+            );
+        }
     }
 
     /// Called when nothing arrived for a while: is the sender still there?
@@ -595,6 +622,8 @@ impl BaseSrcImpl for RdmaSrc {
         );
         let route = lease.route.clone();
         let senders = lease.senders();
+        // Refusals from before this element started were reported by the elements of that time.
+        let refusals_seen = senders.last_refusal();
         *self.state.lock().unwrap() = State::Started(Box::new(Started {
             lease,
             route,
@@ -610,6 +639,7 @@ impl BaseSrcImpl for RdmaSrc {
             frames_before_caps: 0,
             gone_checks: 0,
             gone_reported: false,
+            refusals_seen,
         }));
         Ok(())
     }
@@ -662,6 +692,7 @@ impl PushSrcImpl for RdmaSrc {
             State::Stopped => return Err(gst::FlowError::Flushing),
         };
         loop {
+            self.report_refusals();
             match route.queue.pop(IDLE_CHECK) {
                 Popped::Flushing => return Err(gst::FlowError::Flushing),
                 Popped::Timeout => self.check_sender()?,

@@ -151,6 +151,8 @@ struct Shared {
     blocks: AtomicU64,
     /// Status scans that found nothing (idle polls).
     idle_polls: AtomicU64,
+    /// Connections the listener turned away.
+    refused: AtomicU64,
     stop: AtomicBool,
 }
 
@@ -177,6 +179,7 @@ impl ReceiverHandle {
             invalid: InvalidCounts::default(),
             blocks: AtomicU64::new(0),
             idle_polls: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         });
         let pollers = Arc::new(Mutex::new(Vec::new()));
@@ -211,6 +214,11 @@ impl ReceiverHandle {
     /// Blocks processed so far.
     pub fn blocks(&self) -> u64 {
         self.shared.blocks.load(Ordering::Relaxed)
+    }
+
+    /// Connections turned away so far (bad handshake, wrong token, ...).
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::Relaxed)
     }
 
     /// Idle status scans so far.
@@ -278,6 +286,9 @@ fn accept_loop(
     pollers: Arc<Mutex<Vec<JoinHandle<()>>>>,
 ) {
     while !shared.stop.load(Ordering::Acquire) {
+        // Each refusal was logged where it happened; here it is counted.
+        let refused = listener.refusals().len() as u64;
+        shared.refused.fetch_add(refused, Ordering::Relaxed);
         match listener.accept(Duration::from_millis(50)) {
             Ok(Some(accepted)) => {
                 let name = accepted.hello.sender.clone();

@@ -134,6 +134,24 @@ pub trait Listener: Send {
     fn local_addr(&self) -> String;
     /// Waits up to `timeout` for the next sender that completed the handshake.
     fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>>;
+    /// Connections turned away since the last call (bad handshake, wrong token, wrong transport,
+    /// no resources, peer gone mid-handshake), oldest first. Each was logged already; this is
+    /// for counters and element messages. A listener keeps at most [`MAX_REFUSALS`] of them.
+    fn refusals(&mut self) -> Vec<Refusal> {
+        Vec::new()
+    }
+}
+
+/// How many refusals a listener keeps for [`Listener::refusals`]; older ones are dropped.
+pub const MAX_REFUSALS: usize = 32;
+
+/// A connection that did not become a sender.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The peer's address.
+    pub peer: String,
+    /// Why, as told to the peer and logged.
+    pub why: String,
 }
 
 /// Checks a Hello against the receiver's settings; `Err` is the refusal text for the peer.

@@ -21,8 +21,8 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use super::{
-    Accepted, Completion, Connection, Connector, Listener, RegionSettings, RemoteAddr, SendBlocks,
-    SoftRegion, Target, WriteSource, WriteWr, check_hello,
+    Accepted, Completion, Connection, Connector, Listener, Refusal, RegionSettings, RemoteAddr,
+    SendBlocks, SoftRegion, Target, WriteSource, WriteWr, check_hello,
 };
 use crate::error::{Error, Result, spawn};
 use crate::proto::RemoteLayout;
@@ -141,21 +141,35 @@ pub(crate) fn client_handshake(peer: &str, hello: &Hello) -> Result<(TcpStream, 
 }
 
 /// Refuses a connection: logs why with the peer, answers with a refusal, closes.
-pub(crate) fn refuse(stream: &mut TcpStream, peer: &str, why: String) {
+pub(crate) fn refuse(stream: &mut TcpStream, peer: &str, why: String) -> Refusal {
     tracing::warn!(%peer, "rejected connection: {why}");
-    let _ = send_message(stream, &Welcome::refusal(why).encode());
+    let _ = send_message(stream, &Welcome::refusal(why.clone()).encode());
     let _ = stream.shutdown(Shutdown::Both);
+    Refusal {
+        peer: peer.to_string(),
+        why,
+    }
+}
+
+/// A sender that went away after its Hello was accepted, before the handshake completed.
+pub(crate) fn lost(peer: &str, sender: &str, e: impl std::fmt::Display) -> Refusal {
+    let why = format!("sender '{sender}' closed the connection during the handshake: {e}");
+    tracing::warn!(%peer, "{why}");
+    Refusal {
+        peer: peer.to_string(),
+        why,
+    }
 }
 
 /// The receiver's first half of the handshake: reads and validates the Hello (format, data
-/// path, token). On any problem the connection is refused and `None` returned; nothing has been
-/// allocated for it yet. Returns the peer's address too, for logs.
+/// path, token). On any problem the connection is refused and the refusal returned; nothing has
+/// been allocated for it yet. Returns the peer's address too, for logs.
 pub(crate) fn server_hello(
     stream: &mut TcpStream,
     settings: &RegionSettings,
     path: DataPath,
     wrong_path: &str,
-) -> Option<(Hello, String)> {
+) -> std::result::Result<(Hello, String), Refusal> {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
@@ -165,20 +179,19 @@ pub(crate) fn server_hello(
     let hello = recv_message(stream).and_then(|b| Hello::decode(&b).map_err(|e| e.to_string()));
     let hello = match hello {
         Ok(h) => h,
-        Err(e) => {
-            refuse(stream, &peer, format!("bad handshake: {e}"));
-            return None;
-        }
+        Err(e) => return Err(refuse(stream, &peer, format!("bad handshake: {e}"))),
     };
     if hello.data_path != path {
-        refuse(stream, &peer, wrong_path.to_string());
-        return None;
+        return Err(refuse(stream, &peer, wrong_path.to_string()));
     }
     if let Err(why) = check_hello(&hello, settings) {
-        refuse(stream, &peer, format!("sender '{}': {why}", hello.sender));
-        return None;
+        return Err(refuse(
+            stream,
+            &peer,
+            format!("sender '{}': {why}", hello.sender),
+        ));
     }
-    Some((hello, peer))
+    Ok((hello, peer))
 }
 
 pub(crate) fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
@@ -439,11 +452,11 @@ impl Connection for TcpConnection {
 /// connection.
 pub struct TcpListenerTransport {
     local: String,
-    rx: Receiver<Accepted>,
-    _accepting: AcceptLoop,
+    accepting: AcceptLoop,
 }
 
-/// The thread that accepts side-channel connections for a listener.
+/// The thread that accepts side-channel connections for a listener, runs each handshake on a
+/// thread of its own, and queues the senders that completed it and the connections refused.
 ///
 /// Dropping it stops the thread and waits for it, so the listening socket is closed and the
 /// address can be bound again as soon as the drop returns (a receiver restarted in the same
@@ -451,6 +464,8 @@ pub struct TcpListenerTransport {
 pub(crate) struct AcceptLoop {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    accepted: Receiver<Accepted>,
+    refused: Receiver<Refusal>,
 }
 
 /// How long the accepting thread sleeps when no connection is pending; bounds how late a drop
@@ -458,12 +473,12 @@ pub(crate) struct AcceptLoop {
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
 
 impl AcceptLoop {
-    /// Accepts on `listener` in a thread named `name` and hands each connection, blocking again,
-    /// to `on_connection` until the loop is dropped.
+    /// Accepts on `listener` in a thread named `name` until dropped; each connection (blocking
+    /// again) goes to `handshake` on a thread of its own.
     pub(crate) fn start(
         name: &str,
         listener: TcpListener,
-        mut on_connection: impl FnMut(TcpStream) + Send + 'static,
+        handshake: impl Fn(TcpStream) -> std::result::Result<Accepted, Refusal> + Send + Sync + 'static,
     ) -> Result<AcceptLoop> {
         listener
             .set_nonblocking(true)
@@ -474,15 +489,33 @@ impl AcceptLoop {
                     .unwrap_or_default(),
                 source,
             })?;
+        let (accepted_tx, accepted) = crossbeam_channel::unbounded();
+        let (refused_tx, refused) = crossbeam_channel::bounded(super::MAX_REFUSALS);
+        let handshake = Arc::new(handshake);
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
-        let thread = spawn(name, move || {
+        let thread_name = format!("{name}-accept");
+        let name = name.to_string();
+        let thread = spawn(thread_name, move || {
             while !stopping.load(Ordering::Acquire) {
                 match listener.accept() {
                     Ok((stream, _)) => {
-                        if stream.set_nonblocking(false).is_ok() {
-                            on_connection(stream);
+                        if stream.set_nonblocking(false).is_err() {
+                            continue;
                         }
+                        let (handshake, accepted_tx, refused_tx) =
+                            (handshake.clone(), accepted_tx.clone(), refused_tx.clone());
+                        let _ = spawn(format!("{name}-handshake"), move || {
+                            match handshake(stream) {
+                                Ok(a) => {
+                                    let _ = accepted_tx.send(a);
+                                }
+                                // Full: nobody reads them; they were logged anyway.
+                                Err(r) => {
+                                    let _ = refused_tx.try_send(r);
+                                }
+                            }
+                        });
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         std::thread::sleep(ACCEPT_POLL)
@@ -498,7 +531,19 @@ impl AcceptLoop {
         Ok(AcceptLoop {
             stop,
             thread: Some(thread),
+            accepted,
+            refused,
         })
+    }
+
+    /// The next sender that completed the handshake, waiting up to `timeout`.
+    pub(crate) fn accept(&self, timeout: Duration) -> Option<Accepted> {
+        self.accepted.recv_timeout(timeout).ok()
+    }
+
+    /// The refusals queued since the last call.
+    pub(crate) fn refusals(&self) -> Vec<Refusal> {
+        self.refused.try_iter().collect()
     }
 }
 
@@ -520,21 +565,9 @@ impl TcpListenerTransport {
         };
         let listener = TcpListener::bind(addr).map_err(listen_err)?;
         let local = listener.local_addr().map_err(listen_err)?.to_string();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let settings = Arc::new(settings);
-        let accepting = AcceptLoop::start("tcp-accept", listener, move |stream| {
-            let (tx, settings) = (tx.clone(), settings.clone());
-            let _ = spawn("tcp-handshake", move || {
-                if let Some(accepted) = handshake(stream, &settings) {
-                    let _ = tx.send(accepted);
-                }
-            });
-        })?;
-        Ok(TcpListenerTransport {
-            local,
-            rx,
-            _accepting: accepting,
-        })
+        let accepting =
+            AcceptLoop::start("tcp", listener, move |stream| handshake(stream, &settings))?;
+        Ok(TcpListenerTransport { local, accepting })
     }
 }
 
@@ -546,13 +579,19 @@ impl Listener for TcpListenerTransport {
         self.local.clone()
     }
     fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
-        Ok(self.rx.recv_timeout(timeout).ok())
+        Ok(self.accepting.accept(timeout))
+    }
+    fn refusals(&mut self) -> Vec<Refusal> {
+        self.accepting.refusals()
     }
 }
 
 /// Runs the receiver's half of the handshake. On any problem logs one line naming the peer,
-/// closes the connection and returns `None`; nothing is allocated before the Hello is valid.
-fn handshake(mut stream: TcpStream, settings: &RegionSettings) -> Option<Accepted> {
+/// closes the connection and returns why; nothing is allocated before the Hello is valid.
+fn handshake(
+    mut stream: TcpStream,
+    settings: &RegionSettings,
+) -> std::result::Result<Accepted, Refusal> {
     let (hello, peer) = server_hello(
         &mut stream,
         settings,
@@ -565,10 +604,11 @@ fn handshake(mut stream: TcpStream, settings: &RegionSettings) -> Option<Accepte
         block_size: settings.block_size as u32,
         ..Welcome::refusal("")
     };
-    if send_message(&mut stream, &welcome.encode()).is_err()
-        || stream.set_read_timeout(None).is_err()
-    {
-        return None;
+    if let Err(e) = send_message(&mut stream, &welcome.encode()) {
+        return Err(lost(&peer, &hello.sender, e));
+    }
+    if let Err(e) = stream.set_read_timeout(None) {
+        return Err(lost(&peer, &hello.sender, e));
     }
     if let Ok(link) = stream.try_clone() {
         region.attach_link(link);
@@ -581,8 +621,15 @@ fn handshake(mut stream: TcpStream, settings: &RegionSettings) -> Option<Accepte
         }
         nic_region.close();
     })
-    .ok()?;
-    Some(Accepted {
+    .map_err(|e| {
+        let why = format!("sender '{}': {e}", hello.sender);
+        tracing::warn!(%peer, "dropped connection: {why}");
+        Refusal {
+            peer: peer.clone(),
+            why,
+        }
+    })?;
+    Ok(Accepted {
         hello,
         peer,
         region,

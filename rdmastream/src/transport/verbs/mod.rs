@@ -21,17 +21,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 
 use self::ibv::{
     AccessFlags, CompletionQueue, ConnectedQp, Context, Gid, MemoryRegion, ProtectionDomain,
     QpCaps, QpConfig, QpEndpoint,
 };
-use super::tcp::{AcceptLoop, client_handshake, refuse, send_message, server_hello};
+use super::tcp::{AcceptLoop, client_handshake, lost, refuse, send_message, server_hello};
 use super::{
-    Accepted, Completion, Connection, Connector, HeldBytes, Listener, Region, RegionSettings,
-    RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource, WriteWr,
+    Accepted, Completion, Connection, Connector, HeldBytes, Listener, Refusal, Region,
+    RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource,
+    WriteWr,
 };
 use crate::error::{Error, Result, spawn};
 use crate::proto::handshake::{DataPath, Hello, QpInfo, Welcome};
@@ -534,8 +534,7 @@ impl HeldBytes for VerbsHeld {
 /// The receiver's listening side of the verbs transport.
 pub struct VerbsListener {
     local: String,
-    rx: Receiver<Accepted>,
-    _accepting: AcceptLoop,
+    accepting: AcceptLoop,
 }
 
 impl VerbsListener {
@@ -552,22 +551,10 @@ impl VerbsListener {
         };
         let listener = TcpListener::bind(addr).map_err(listen_err)?;
         let local = listener.local_addr().map_err(listen_err)?.to_string();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let shared = Arc::new((ctx, region, settings));
-        let accepting = AcceptLoop::start("verbs-accept", listener, move |stream| {
-            let (tx, shared) = (tx.clone(), shared.clone());
-            let _ = spawn("verbs-handshake", move || {
-                let (ctx, region, settings) = &*shared;
-                if let Some(a) = handshake(stream, ctx, region, settings) {
-                    let _ = tx.send(a);
-                }
-            });
+        let accepting = AcceptLoop::start("verbs", listener, move |stream| {
+            handshake(stream, &ctx, &region, &settings)
         })?;
-        Ok(VerbsListener {
-            local,
-            rx,
-            _accepting: accepting,
-        })
+        Ok(VerbsListener { local, accepting })
     }
 }
 
@@ -579,7 +566,10 @@ impl Listener for VerbsListener {
         self.local.clone()
     }
     fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
-        Ok(self.rx.recv_timeout(timeout).ok())
+        Ok(self.accepting.accept(timeout))
+    }
+    fn refusals(&mut self) -> Vec<Refusal> {
+        self.accepting.refusals()
     }
 }
 
@@ -590,7 +580,7 @@ fn handshake(
     ctx: &Context,
     settings: &RegionSettings,
     verbs: &VerbsSettings,
-) -> Option<Accepted> {
+) -> std::result::Result<Accepted, Refusal> {
     let (hello, peer) = server_hello(
         &mut side,
         settings,
@@ -599,8 +589,8 @@ fn handshake(
     )?;
     match build_region(ctx, settings, verbs, &hello) {
         Ok((region, welcome)) => {
-            if send_message(&mut side, &welcome.encode()).is_err() {
-                return None;
+            if let Err(e) = send_message(&mut side, &welcome.encode()) {
+                return Err(lost(&peer, &hello.sender, e));
             }
             let _ = side.set_read_timeout(None);
             if let Ok(clone) = side.try_clone() {
@@ -614,20 +604,17 @@ fn handshake(
                 while matches!(std::io::Read::read(&mut side, &mut buf), Ok(n) if n > 0) {}
                 watched.closed.store(true, Ordering::Release);
             });
-            Some(Accepted {
+            Ok(Accepted {
                 hello,
                 peer,
                 region,
             })
         }
-        Err(e) => {
-            refuse(
-                &mut side,
-                &peer,
-                format!("cannot set up RDMA for sender '{}': {e}", hello.sender),
-            );
-            None
-        }
+        Err(e) => Err(refuse(
+            &mut side,
+            &peer,
+            format!("cannot set up RDMA for sender '{}': {e}", hello.sender),
+        )),
     }
 }
 
