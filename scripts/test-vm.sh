@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the process-level integration tests and the GStreamer pipeline tests over real RDMA verbs:
+# Runs the process-level integration tests and the GStreamer element (harness) and pipeline tests
+# over real RDMA verbs:
 # Soft-RoCE (rdma_rxe) inside a throwaway qemu VM (scripts/vm.sh), with host-built binaries and
 # fewer, smaller frames than on the host (the VM runs under software CPU emulation). Installs what
 # it needs on a fresh Debian 12 machine (through scripts/vm.sh prepare).
@@ -20,11 +21,13 @@ for l in sys.stdin:
 }
 processes="$(test_exe rdmastream-integration processes)"
 pipelines="$(test_exe gst-plugin-rdma pipelines)"
-for exe in "$processes" "$pipelines"; do
+harness="$(test_exe gst-plugin-rdma harness)"
+for exe in "$processes" "$pipelines" "$harness"; do
   [ -x "$exe" ] || { echo "test-vm: could not build the test executables" >&2; exit 1; }
 done
-echo "== over verbs (Soft-RoCE rxe0 in a VM): $processes, $pipelines"
+echo "== over verbs (Soft-RoCE rxe0 in a VM): $processes, $pipelines, $harness"
 scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
   env RDMASTREAM_PREBUILT=1 RDMASTREAM_IT_TRANSPORT=verbs RDMASTREAM_IT_HOST=192.0.2.1 \
   RDMASTREAM_TEST_TRANSPORT=verbs RDMASTREAM_TEST_HOST=192.0.2.1 RUST_BACKTRACE=1 \
-  bash -c '"$1" --test-threads=1; a=$?; "$2" --test-threads=1; b=$?; exit $((a | b))' _ "$processes" "$pipelines"
+  bash -c '"$1" --test-threads=1; a=$?; "$2" --test-threads=1; b=$?; "$3" --test-threads=1; c=$?
+    exit $((a | b | c))' _ "$processes" "$pipelines" "$harness"

@@ -93,6 +93,8 @@ struct DeviceConfig {
     pipeline: Option<String>,
     #[serde(default = "d_policy")]
     policy: String,
+    /// Built-in sources: end the device after this many frames (default: run until stopped).
+    frames: Option<u64>,
 }
 
 fn d_transport() -> String {
@@ -132,6 +134,7 @@ struct Device {
     id: u8,
     kind: Source,
     policy: DropPolicy,
+    frames: Option<u64>,
 }
 
 /// A device's source, ready to run on its thread.
@@ -275,6 +278,21 @@ fn validate(cfg: &Config, file: &Path) -> Result<Vec<Device>, ConfigError> {
                 ));
             }
         };
+        match (d.frames, &kind) {
+            (Some(0), _) => {
+                return Err(err(
+                    &key("frames"),
+                    "0 frames: leave the key out to run until stopped".into(),
+                ));
+            }
+            (Some(_), Source::Gstreamer(_)) => {
+                return Err(err(
+                    &key("frames"),
+                    "source \"gstreamer\" ends with its pipeline: put num-buffers=N on its source element".into(),
+                ));
+            }
+            _ => {}
+        }
         if d.count == 0 || d.id + d.count > 256 {
             return Err(err(
                 &key("id"),
@@ -293,6 +311,7 @@ fn validate(cfg: &Config, file: &Path) -> Result<Vec<Device>, ConfigError> {
                 id: id as u8,
                 kind: kind.clone(),
                 policy,
+                frames: d.frames,
             });
         }
     }
@@ -397,13 +416,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let mut sources = Vec::new();
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
-        let stop = stop.clone();
+        let (stop, frames) = (stop.clone(), d.frames);
         sources.push(
             std::thread::Builder::new()
                 .name(format!("source-{}", d.id))
                 .spawn(move || {
                     match producer {
-                        Runner::Builtin(p) => p.run(&stop, None, |f| input.push(f)),
+                        Runner::Builtin(p) => p.run(&stop, frames, |f| input.push(f)),
                         Runner::Gstreamer(p) => {
                             if let Err(e) = p.run(&stop, |f| input.push(f)) {
                                 tracing::error!("{e}; ending the device");
