@@ -1,74 +1,27 @@
 //! The `sender` binary's `gstreamer` source and the `receiver` binary's `gstreamer` sink, as
 //! real processes over tcp on loopback.
 
-mod common;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::Duration;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
-
-use common::free_port;
+use rdmastream_testkit::{bin, free_port, wait};
 
 const EXIT_DEADLINE: Duration = Duration::from_secs(180);
 
-/// The `sender` and `receiver` binaries, built (in this test's profile) on first use.
-fn bin(name: &str) -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    let dir = BUILT.get_or_init(|| {
-        let release = !cfg!(debug_assertions);
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args([
-            "build",
-            "--quiet",
-            "-p",
-            "rdmastream-sender",
-            "-p",
-            "rdmastream-receiver",
-        ]);
-        if release {
-            cmd.arg("--release");
-        }
-        let status = cmd
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .status()
-            .expect("running cargo build");
-        assert!(status.success(), "building the binaries failed");
-        std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"))
-            .join(if release { "release" } else { "debug" })
-    });
-    dir.join(name)
-}
-
 fn spawn(dir: &Path, name: &str, args: &[&str]) -> Child {
-    let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
-    Command::new(bin(name))
-        .args(args)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {name}: {e}"))
+    rdmastream_testkit::spawn(&bin(name), args, &dir.join(format!("{name}.log")))
 }
 
 fn wait_success(mut child: Child, dir: &Path, name: &str) {
-    let end = Instant::now() + EXIT_DEADLINE;
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > end {
-            let _ = child.kill();
-            let _ = child.wait();
-            break child.wait().unwrap();
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let log = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default();
-    assert!(status.success(), "{name} exited with {status}; log:\n{log}");
+    let log = dir.join(format!("{name}.log"));
+    let code = wait(&mut child, EXIT_DEADLINE, name, &log);
+    assert_eq!(
+        code,
+        0,
+        "{name} exited with {code}; log:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
 }
 
 #[test]

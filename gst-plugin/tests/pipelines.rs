@@ -24,33 +24,8 @@ struct PluginEnv {
 fn plugin_env() -> &'static PluginEnv {
     static ENV: OnceLock<PluginEnv> = OnceLock::new();
     ENV.get_or_init(|| {
-        let release = !cfg!(debug_assertions);
-        let so = if std::env::var_os("RDMASTREAM_PREBUILT").is_some() {
-            // Inside the Soft-RoCE VM cargo cannot run: the plugin was built next to this test.
-            let exe = std::env::current_exe().unwrap();
-            exe.parent()
-                .and_then(|d| d.parent())
-                .unwrap()
-                .join("libgstrdma.so")
-        } else {
-            let mut cmd = Command::new(env!("CARGO"));
-            cmd.args(["build", "--quiet", "--lib", "-p", "gst-plugin-rdma"]);
-            if release {
-                cmd.arg("--release");
-            }
-            let status = cmd
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .status()
-                .expect("running cargo build");
-            assert!(status.success(), "building the plugin failed");
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
-            target
-                .join(if release { "release" } else { "debug" })
-                .join("libgstrdma.so")
-        };
-        assert!(so.exists(), "{} not built", so.display());
+        // Inside the Soft-RoCE VM (RDMASTREAM_PREBUILT) the plugin was built next to this test.
+        let so = rdmastream_testkit::built("libgstrdma.so", &["--lib", "-p", "gst-plugin-rdma"]);
         let dir = tempfile::tempdir().unwrap();
         let plugin_dir = dir.path().join("plugins");
         std::fs::create_dir(&plugin_dir).unwrap();

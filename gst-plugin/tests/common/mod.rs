@@ -2,28 +2,20 @@
 
 #![allow(dead_code)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Generous: a deadline exists so a broken element fails the test instead of hanging it, never
 /// to make a slow machine fail.
 pub const DEADLINE: Duration = Duration::from_secs(60);
 
-/// A free TCP port on loopback.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub use rdmastream_testkit::free_port;
 
 /// Waits until `cond` holds, polling; panics with `what` after [`DEADLINE`].
-pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-    let end = Instant::now() + DEADLINE;
-    while !cond() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+pub fn wait_for(what: &str, cond: impl FnMut() -> bool) {
+    assert!(
+        rdmastream_testkit::wait_for(DEADLINE, cond),
+        "timed out waiting for {what}"
+    );
 }
 
 /// The transport the element tests run over: `RDMASTREAM_TEST_TRANSPORT` (`tcp` unless set;

@@ -1,13 +1,8 @@
-//! Helpers to build and run the real binaries.
+//! What the process tests share: where they run, and checks of the frames written.
 
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::Once;
-use std::time::{Duration, Instant};
-
-static BUILD: Once = Once::new();
 
 /// Where and how the tests run: `RDMASTREAM_IT_TRANSPORT` (tcp, verbs), `RDMASTREAM_IT_HOST`
 /// (the address the receiver listens on), `RDMASTREAM_IT_SMALL` (fewer and smaller frames, for
@@ -37,105 +32,7 @@ impl It {
     }
 }
 
-/// Path of binary `name`, next to the test's own target directory; built (in this test's profile)
-/// on first use unless `RDMASTREAM_PREBUILT` is set (inside the VM, where cargo cannot run).
-pub fn bin(name: &str) -> PathBuf {
-    let release = !cfg!(debug_assertions);
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let beside = exe.parent().and_then(|d| d.parent()).map(|d| d.join(name));
-    if std::env::var_os("RDMASTREAM_PREBUILT").is_some() {
-        return beside.expect("binary next to the test executable");
-    }
-    BUILD.call_once(|| {
-        let mut cmd = Command::new(env!("CARGO"));
-        cmd.args([
-            "build",
-            "--quiet",
-            "-p",
-            "rdmastream-sender",
-            "-p",
-            "rdmastream-receiver",
-        ]);
-        if release {
-            cmd.arg("--release");
-        }
-        let status = cmd
-            .current_dir(workspace())
-            .status()
-            .expect("running cargo build");
-        assert!(status.success(), "building the binaries failed");
-    });
-    beside.expect("binary next to the test executable")
-}
-
-/// The workspace root.
-pub fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// A free TCP port on loopback.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Starts `bin` with `args`, logging to `log`.
-pub fn spawn(bin: &Path, args: &[&str], log: &Path) -> Child {
-    let out = std::fs::File::create(log).unwrap();
-    Command::new(bin)
-        .args(args)
-        .current_dir(workspace())
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .spawn()
-        .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()))
-}
-
-/// Waits for `child` to exit, up to `timeout`; kills it and panics after that.
-pub fn wait(child: &mut Child, timeout: Duration, what: &str, log: &Path) -> i32 {
-    let end = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status.code().unwrap_or(-1);
-        }
-        if Instant::now() > end {
-            let _ = child.kill();
-            panic!(
-                "{what} did not exit within {timeout:?}; log:\n{}",
-                tail(log)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Polls `cond` until it holds or `timeout` passes.
-pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + timeout;
-    while Instant::now() < end {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    cond()
-}
-
-/// Last lines of a log file.
-pub fn tail(log: &Path) -> String {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(40)..].join("\n")
-}
+pub use rdmastream_testkit::{bin, free_port, spawn, tail, wait, wait_for};
 
 /// Frame indices of the files in `dir` (sorted), ignoring temporaries.
 pub fn frame_files(dir: &Path) -> Vec<(u64, PathBuf)> {
