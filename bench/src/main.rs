@@ -29,8 +29,8 @@ use rdmastream::proto::{StreamEvent, payload_capacity};
 use rdmastream::source::SourceFrame;
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::mem::MemFabric;
-use rdmastream::transport::tcp::{TcpConnector, TcpListenerTransport};
-use rdmastream::transport::verbs::{VerbsConnector, VerbsListener, VerbsSettings};
+use rdmastream::transport::tcp::{self, TcpConnector};
+use rdmastream::transport::verbs::{self, VerbsConnector, VerbsSettings};
 use rdmastream::transport::{Connector, Listener, RegionSettings};
 use rdmastream::transport::{RemoteAddr, Target};
 
@@ -355,10 +355,10 @@ fn throughput(secs: f64) {
             Box::new(fabric.listen("bench", region(block))),
             Box::new(fabric.connector("bench")),
         );
-        let l = TcpListenerTransport::bind("127.0.0.1:0", region(block)).unwrap();
+        let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
         let addr = l.local_addr();
         let tcp = engine_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
-        let l = TcpListenerTransport::bind("127.0.0.1:0", region(block)).unwrap();
+        let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
         let addr = l.local_addr();
         let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
         let plain = if only_tcp {
@@ -442,7 +442,7 @@ fn sync_latency(n: usize, iters: usize, settings: &VerbsSettings) -> (f64, f64) 
         reserved_blocks: vec![],
     };
     let mut listener =
-        VerbsListener::bind(&format!("{VM_HOST}:0"), region, settings.clone()).expect("listener");
+        verbs::listen(&format!("{VM_HOST}:0"), region, settings.clone()).expect("listener");
     let addr = listener.local_addr();
     let connector = VerbsConnector::new(addr, settings.clone(), 4).expect("connector");
     let blocks = connector.alloc_send_blocks(1, 4096).expect("blocks");
@@ -529,8 +529,7 @@ fn verbs(secs: f64) {
             token: String::new(),
             reserved_blocks: vec![],
         };
-        let l = VerbsListener::bind(&format!("{VM_HOST}:0"), region, settings.clone())
-            .expect("listener");
+        let l = verbs::listen(&format!("{VM_HOST}:0"), region, settings.clone()).expect("listener");
         let addr = l.local_addr();
         let ours = transport_rate(
             block,

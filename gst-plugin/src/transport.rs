@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use gst::glib;
 
-use rdmastream::transport::tcp::{TcpConnector, TcpListenerTransport};
+use rdmastream::transport::tcp::{self, TcpConnector};
 pub use rdmastream::transport::verbs::VerbsSettings;
-use rdmastream::transport::verbs::{VerbsConnector, VerbsListener};
+use rdmastream::transport::verbs::{self, VerbsConnector};
 use rdmastream::transport::{Connector, Kind, Listener, RegionSettings};
 
 /// Which data path carries the blocks.
@@ -102,9 +102,10 @@ pub fn listener(
     let deadline = Instant::now() + Duration::from_secs(1);
     loop {
         let bound: rdmastream::Result<Box<dyn Listener>> = match kind {
-            Kind::Tcp => TcpListenerTransport::bind(addr, settings.clone())
-                .map(|l| Box::new(l) as Box<dyn Listener>),
-            Kind::Verbs => VerbsListener::bind(addr, settings.clone(), verbs.clone())
+            Kind::Tcp => {
+                tcp::listen(addr, settings.clone()).map(|l| Box::new(l) as Box<dyn Listener>)
+            }
+            Kind::Verbs => verbs::listen(addr, settings.clone(), verbs.clone())
                 .map(|l| Box::new(l) as Box<dyn Listener>),
         };
         match bound {

@@ -13,7 +13,7 @@ use rdmastream::sink::{DirectorySink, DirectorySinkOptions};
 use rdmastream::source::{Producer, SourceKind};
 use rdmastream::stats::get;
 use rdmastream::transport::mem::MemFabric;
-use rdmastream::transport::tcp::{TcpConnector, TcpListenerTransport};
+use rdmastream::transport::tcp::{self, TcpConnector};
 use rdmastream::transport::{Connector, Listener, RegionSettings};
 
 fn settings(blocks: usize, block_size: usize, reserved: Vec<usize>) -> RegionSettings {
@@ -144,7 +144,7 @@ fn mem_transport_delivers_every_frame_verified() {
 
 #[test]
 fn tcp_transport_delivers_every_frame_verified_with_a_retained_block() {
-    let listener = TcpListenerTransport::bind("127.0.0.1:0", settings(6, 16384, vec![2])).unwrap();
+    let listener = tcp::listen("127.0.0.1:0", settings(6, 16384, vec![2])).unwrap();
     let addr = listener.local_addr();
     run_session(
         Box::new(listener),
@@ -194,7 +194,7 @@ fn stream_frames(
 
 #[test]
 fn two_senders_into_one_receiver_each_get_their_own_region_and_output() {
-    let listener = TcpListenerTransport::bind("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
+    let listener = tcp::listen("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
     let addr = listener.local_addr();
     let sink = Arc::new(Collect::default());
     let receiver =
@@ -241,7 +241,7 @@ fn two_senders_into_one_receiver_each_get_their_own_region_and_output() {
 
 #[test]
 fn wrong_token_is_refused_with_the_reason() {
-    let listener = TcpListenerTransport::bind("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
+    let listener = tcp::listen("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
     let addr = listener.local_addr();
     let receiver = ReceiverHandle::start(
         ReceiverOptions::default(),
@@ -595,7 +595,7 @@ fn a_device_that_ends_and_comes_back_carries_on_numbering() {
 /// the same address, which gets each device's format again before any frame.
 #[test]
 fn a_new_receiver_gets_the_format_again_after_a_reconnect() {
-    let listener = TcpListenerTransport::bind("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
+    let listener = tcp::listen("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
     let addr = listener.local_addr();
     let first = Arc::new(Events::default());
     let receiver = ReceiverHandle::start(
@@ -637,7 +637,7 @@ fn a_new_receiver_gets_the_format_again_after_a_reconnect() {
     };
     push_until(&first, 5, &mut index);
     receiver.stop();
-    let listener = TcpListenerTransport::bind(&addr, settings(4, 8192, vec![])).unwrap();
+    let listener = tcp::listen(&addr, settings(4, 8192, vec![])).unwrap();
     let second = Arc::new(Events::default());
     let receiver = ReceiverHandle::start(
         ReceiverOptions::default(),
@@ -665,7 +665,7 @@ fn a_new_receiver_gets_the_format_again_after_a_reconnect() {
 /// knocking on it.
 #[test]
 fn a_dropped_listener_frees_its_address_at_once() {
-    let first = TcpListenerTransport::bind("127.0.0.1:0", settings(2, 4096, vec![])).unwrap();
+    let first = tcp::listen("127.0.0.1:0", settings(2, 4096, vec![])).unwrap();
     let addr = first.local_addr();
     drop(first);
     let knocking = Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -679,7 +679,7 @@ fn a_dropped_listener_frees_its_address_at_once() {
         })
     };
     for round in 0..50 {
-        let l = TcpListenerTransport::bind(&addr, settings(2, 4096, vec![]))
+        let l = tcp::listen(&addr, settings(2, 4096, vec![]))
             .unwrap_or_else(|e| panic!("round {round}: {e}"));
         drop(l);
     }

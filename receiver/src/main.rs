@@ -16,8 +16,7 @@ use rdmastream::engine::{ReceiverHandle, ReceiverOptions, StreamKey};
 use rdmastream::proto::ReorderConfig;
 use rdmastream::sink::{DeviceOutput, DirectorySink, DirectorySinkOptions, FileFormat};
 use rdmastream::stats::{StatusLine, get};
-use rdmastream::transport::tcp::TcpListenerTransport;
-use rdmastream::transport::verbs::{VerbsListener, VerbsSettings, posted_work_requests};
+use rdmastream::transport::verbs::{VerbsSettings, posted_work_requests};
 use rdmastream::transport::{self, Kind, Listener, RegionSettings};
 
 /// Receives frames from rdmastream senders into per-device directories.
@@ -306,8 +305,12 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         gid_index: cfg.gid_index,
     };
     let listener: Box<dyn Listener> = match transport::choose(&cfg.transport, &verbs)? {
-        Kind::Tcp => Box::new(TcpListenerTransport::bind(&cfg.listen, region)?),
-        Kind::Verbs => Box::new(VerbsListener::bind(&cfg.listen, region, verbs)?),
+        Kind::Tcp => Box::new(rdmastream::transport::tcp::listen(&cfg.listen, region)?),
+        Kind::Verbs => Box::new(rdmastream::transport::verbs::listen(
+            &cfg.listen,
+            region,
+            verbs,
+        )?),
     };
     let sink = Arc::new(
         DirectorySink::new(sink_opts)

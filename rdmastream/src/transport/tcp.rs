@@ -448,20 +448,16 @@ impl Connection for TcpConnection {
     }
 }
 
-/// Receiver side: accepts senders, runs the handshake, and starts one NIC-emulating thread per
-/// connection.
-pub struct TcpListenerTransport {
-    local: String,
-    accepting: AcceptLoop,
-}
-
-/// The thread that accepts side-channel connections for a listener, runs each handshake on a
-/// thread of its own, and queues the senders that completed it and the connections refused.
+/// The receiver's listening side of a transport whose connections start on a TCP side channel
+/// (tcp itself, and verbs): a thread accepts connections and runs each handshake on a thread of
+/// its own, queueing the senders that completed it and the connections refused.
 ///
-/// Dropping it stops the thread and waits for it, so the listening socket is closed and the
-/// address can be bound again as soon as the drop returns (a receiver restarted in the same
-/// process must not see "address in use").
-pub(crate) struct AcceptLoop {
+/// Dropping it stops the accepting thread and waits for it, so the listening socket is closed
+/// and the address can be bound again as soon as the drop returns (a receiver restarted in the
+/// same process must not see "address in use").
+pub struct SideChannelListener {
+    transport: &'static str,
+    local: String,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
     accepted: Receiver<Accepted>,
@@ -472,30 +468,27 @@ pub(crate) struct AcceptLoop {
 /// returns and how late a connection is picked up.
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
 
-impl AcceptLoop {
-    /// Accepts on `listener` in a thread named `name` until dropped; each connection (blocking
-    /// again) goes to `handshake` on a thread of its own.
-    pub(crate) fn start(
-        name: &str,
-        listener: TcpListener,
+impl SideChannelListener {
+    /// Binds `addr` and accepts on it in a thread named after `transport` until dropped; each
+    /// connection (blocking again) goes to `handshake` on a thread of its own.
+    pub(crate) fn bind(
+        transport: &'static str,
+        addr: &str,
         handshake: impl Fn(TcpStream) -> std::result::Result<Accepted, Refusal> + Send + Sync + 'static,
-    ) -> Result<AcceptLoop> {
-        listener
-            .set_nonblocking(true)
-            .map_err(|source| Error::Listen {
-                addr: listener
-                    .local_addr()
-                    .map(|a| a.to_string())
-                    .unwrap_or_default(),
-                source,
-            })?;
+    ) -> Result<SideChannelListener> {
+        let listen_err = |source| Error::Listen {
+            addr: addr.to_string(),
+            source,
+        };
+        let listener = TcpListener::bind(addr).map_err(listen_err)?;
+        let local = listener.local_addr().map_err(listen_err)?.to_string();
+        listener.set_nonblocking(true).map_err(listen_err)?;
         let (accepted_tx, accepted) = crossbeam_channel::unbounded();
         let (refused_tx, refused) = crossbeam_channel::bounded(super::MAX_REFUSALS);
         let handshake = Arc::new(handshake);
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
-        let thread_name = format!("{name}-accept");
-        let name = name.to_string();
+        let thread_name = format!("{transport}-accept");
         let thread = spawn(thread_name, move || {
             while !stopping.load(Ordering::Acquire) {
                 match listener.accept() {
@@ -505,7 +498,7 @@ impl AcceptLoop {
                         }
                         let (handshake, accepted_tx, refused_tx) =
                             (handshake.clone(), accepted_tx.clone(), refused_tx.clone());
-                        let _ = spawn(format!("{name}-handshake"), move || {
+                        let _ = spawn(format!("{transport}-handshake"), move || {
                             match handshake(stream) {
                                 Ok(a) => {
                                     let _ = accepted_tx.send(a);
@@ -528,26 +521,33 @@ impl AcceptLoop {
                 }
             }
         })?;
-        Ok(AcceptLoop {
+        Ok(SideChannelListener {
+            transport,
+            local,
             stop,
             thread: Some(thread),
             accepted,
             refused,
         })
     }
+}
 
-    /// The next sender that completed the handshake, waiting up to `timeout`.
-    pub(crate) fn accept(&self, timeout: Duration) -> Option<Accepted> {
-        self.accepted.recv_timeout(timeout).ok()
+impl Listener for SideChannelListener {
+    fn transport(&self) -> &'static str {
+        self.transport
     }
-
-    /// The refusals queued since the last call.
-    pub(crate) fn refusals(&self) -> Vec<Refusal> {
+    fn local_addr(&self) -> String {
+        self.local.clone()
+    }
+    fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
+        Ok(self.accepted.recv_timeout(timeout).ok())
+    }
+    fn refusals(&mut self) -> Vec<Refusal> {
         self.refused.try_iter().collect()
     }
 }
 
-impl Drop for AcceptLoop {
+impl Drop for SideChannelListener {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
@@ -556,34 +556,10 @@ impl Drop for AcceptLoop {
     }
 }
 
-impl TcpListenerTransport {
-    /// Binds `addr` and starts accepting. Each sender gets a region from `settings`.
-    pub fn bind(addr: &str, settings: RegionSettings) -> Result<TcpListenerTransport> {
-        let listen_err = |source| Error::Listen {
-            addr: addr.to_string(),
-            source,
-        };
-        let listener = TcpListener::bind(addr).map_err(listen_err)?;
-        let local = listener.local_addr().map_err(listen_err)?.to_string();
-        let accepting =
-            AcceptLoop::start("tcp", listener, move |stream| handshake(stream, &settings))?;
-        Ok(TcpListenerTransport { local, accepting })
-    }
-}
-
-impl Listener for TcpListenerTransport {
-    fn transport(&self) -> &'static str {
-        "tcp"
-    }
-    fn local_addr(&self) -> String {
-        self.local.clone()
-    }
-    fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
-        Ok(self.accepting.accept(timeout))
-    }
-    fn refusals(&mut self) -> Vec<Refusal> {
-        self.accepting.refusals()
-    }
+/// Listens for senders of the tcp transport on `addr`; each gets a region from `settings`, and a
+/// thread that plays the NIC for its connection.
+pub fn listen(addr: &str, settings: RegionSettings) -> Result<SideChannelListener> {
+    SideChannelListener::bind("tcp", addr, move |stream| handshake(stream, &settings))
 }
 
 /// Runs the receiver's half of the handshake. On any problem logs one line naming the peer,

@@ -15,7 +15,7 @@
 
 pub mod ibv;
 
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{Shutdown, TcpStream};
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -27,11 +27,10 @@ use self::ibv::{
     AccessFlags, CompletionQueue, ConnectedQp, Context, Gid, MemoryRegion, ProtectionDomain,
     QpCaps, QpConfig, QpEndpoint,
 };
-use super::tcp::{AcceptLoop, client_handshake, lost, refuse, send_message, server_hello};
+use super::tcp::{SideChannelListener, client_handshake, lost, refuse, send_message, server_hello};
 use super::{
-    Accepted, Completion, Connection, Connector, HeldBytes, Listener, Refusal, Region,
-    RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource,
-    WriteWr,
+    Accepted, Completion, Connection, Connector, HeldBytes, Refusal, Region, RegionSettings,
+    RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource, WriteWr,
 };
 use crate::error::{Error, Result, spawn};
 use crate::proto::handshake::{DataPath, Hello, QpInfo, Welcome};
@@ -531,46 +530,18 @@ impl HeldBytes for VerbsHeld {
     }
 }
 
-/// The receiver's listening side of the verbs transport.
-pub struct VerbsListener {
-    local: String,
-    accepting: AcceptLoop,
-}
-
-impl VerbsListener {
-    /// Opens the device and listens for side-channel connections on `addr`.
-    pub fn bind(
-        addr: &str,
-        region: RegionSettings,
-        settings: VerbsSettings,
-    ) -> Result<VerbsListener> {
-        let ctx = open(&settings)?;
-        let listen_err = |source| Error::Listen {
-            addr: addr.to_string(),
-            source,
-        };
-        let listener = TcpListener::bind(addr).map_err(listen_err)?;
-        let local = listener.local_addr().map_err(listen_err)?.to_string();
-        let accepting = AcceptLoop::start("verbs", listener, move |stream| {
-            handshake(stream, &ctx, &region, &settings)
-        })?;
-        Ok(VerbsListener { local, accepting })
-    }
-}
-
-impl Listener for VerbsListener {
-    fn transport(&self) -> &'static str {
-        "verbs"
-    }
-    fn local_addr(&self) -> String {
-        self.local.clone()
-    }
-    fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
-        Ok(self.accepting.accept(timeout))
-    }
-    fn refusals(&mut self) -> Vec<Refusal> {
-        self.accepting.refusals()
-    }
+/// Opens the RDMA device and listens for senders of the verbs transport on `addr` (the TCP side
+/// channel). Each sender gets its own protection domain, registered status array and blocks, and
+/// queue pair.
+pub fn listen(
+    addr: &str,
+    region: RegionSettings,
+    settings: VerbsSettings,
+) -> Result<SideChannelListener> {
+    let ctx = open(&settings)?;
+    SideChannelListener::bind("verbs", addr, move |stream| {
+        handshake(stream, &ctx, &region, &settings)
+    })
 }
 
 /// The receiver's half of the handshake. Nothing is allocated or registered before the Hello is
