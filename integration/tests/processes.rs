@@ -214,6 +214,8 @@ fn receiver_killed_and_restarted_mid_stream() {
     rx1.kill().unwrap();
     rx1.wait().unwrap();
     let before = frame_files(&dev1).len();
+    // Not to let anything settle: the receiver stays down for a while, so the sender sees its
+    // connection fail and goes through backoff and reconnect, as after a real crash.
     std::thread::sleep(Duration::from_millis(500));
     let mut rx2 = spawn(&bin("receiver"), &rx_args, &rx2_log);
     assert!(
