@@ -333,6 +333,16 @@ impl DeviceLease {
         self.pushed.load(Ordering::Relaxed).saturating_sub(done)
     }
 
+    /// A value for [`DeviceLease::wait_progress`]: frames written or dropped so far.
+    pub fn progress(&self) -> u64 {
+        self.counters.progress()
+    }
+
+    /// Waits until a frame of this device is written or dropped after `seen`, or `timeout`.
+    pub fn wait_progress(&self, seen: u64, timeout: Duration) {
+        self.counters.wait_progress(seen, timeout);
+    }
+
     /// Frames fully written, bytes, frames dropped.
     pub fn counts(&self) -> (u64, u64, u64) {
         (

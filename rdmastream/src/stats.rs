@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 /// Nanoseconds since the UNIX epoch now (capture timestamps use this clock, so latency across
 /// hosts is only as good as their clock sync).
@@ -103,6 +103,9 @@ pub struct DeviceCounters {
     /// Set once the device's end of stream passed.
     pub ended: AtomicU64,
     latency: Mutex<Histogram>,
+    /// Frames handed on or dropped so far, for [`DeviceCounters::wait_progress`].
+    progress: Mutex<u64>,
+    progressed: Condvar,
 }
 
 impl DeviceCounters {
@@ -113,6 +116,34 @@ impl DeviceCounters {
         if let Some(l) = latency {
             self.latency.lock().record(l);
         }
+        self.note_progress();
+    }
+
+    /// Records a dropped frame.
+    pub fn dropped(&self) {
+        self.drops.fetch_add(1, Ordering::Relaxed);
+        self.note_progress();
+    }
+
+    fn note_progress(&self) {
+        *self.progress.lock() += 1;
+        self.progressed.notify_all();
+    }
+
+    /// How many frames were handed on or dropped so far (a value for `wait_progress`).
+    pub fn progress(&self) -> u64 {
+        *self.progress.lock()
+    }
+
+    /// Waits until a frame is handed on or dropped after `seen` (a value of `progress` read
+    /// before deciding to wait, so nothing in between is missed), or `timeout` passed. Returns
+    /// the progress now. Lets a producer wait for room without polling.
+    pub fn wait_progress(&self, seen: u64, timeout: Duration) -> u64 {
+        let mut p = self.progress.lock();
+        if *p == seen {
+            self.progressed.wait_for(&mut p, timeout);
+        }
+        *p
     }
 
     /// Takes the latency samples gathered since the last call.
@@ -222,6 +253,23 @@ impl<K: Ord + Clone + std::fmt::Display> StatusLine<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_waiter_for_progress_is_woken_by_a_frame_and_never_misses_one() {
+        let c = std::sync::Arc::new(DeviceCounters::default());
+        let seen = c.progress();
+        let waiter = {
+            let c = c.clone();
+            std::thread::spawn(move || c.wait_progress(seen, Duration::from_secs(60)))
+        };
+        c.frame(10, None);
+        // Woken by the frame (a missed wakeup would return `seen` after a minute).
+        assert_eq!(waiter.join().unwrap(), seen + 1);
+        // Progress made before the wait began is seen at once.
+        c.dropped();
+        assert_eq!(c.wait_progress(seen, Duration::from_secs(60)), seen + 2);
+        assert_eq!((get(&c.frames), get(&c.drops)), (1, 1));
+    }
 
     #[test]
     fn quantiles_are_within_bucket_error() {

@@ -206,9 +206,13 @@ impl RdmaSink {
     /// Waits until the device has fewer than `limit` frames in flight, giving up on flushing
     /// or a link error.
     fn wait_in_flight(&self, lease: &DeviceLease, limit: u64) -> Result<(), Stop> {
-        let mut pause = Duration::from_micros(20);
         let mut next_check = Instant::now();
-        while lease.in_flight() >= limit {
+        loop {
+            // Read before the check, so a frame written in between ends the wait at once.
+            let seen = lease.progress();
+            if lease.in_flight() < limit {
+                return Ok(());
+            }
             if self.flushing.load(Ordering::Acquire) {
                 return Err(Stop::Flushing);
             }
@@ -216,11 +220,10 @@ impl RdmaSink {
                 self.check_link()?;
                 next_check = Instant::now() + Duration::from_millis(20);
             }
-            // The core does not signal written frames; poll with a short, growing pause.
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+            // Woken when the core writes or drops a frame of this device; the timeout bounds
+            // how late a flush (unlock) or a link error is noticed.
+            lease.wait_progress(seen, Duration::from_millis(10));
         }
-        Ok(())
     }
 
     /// The capture time of `buffer` in ns since the UNIX epoch: now, minus how long ago the

@@ -121,7 +121,7 @@ impl DeviceInput {
                             msg = m;
                             // Only frames are ever queued before End, so this drops a frame.
                             if let Ok(Msg::Frame(_)) = self.rx.try_recv() {
-                                self.counters.drops.fetch_add(1, Ordering::Relaxed);
+                                self.counters.dropped();
                             }
                         }
                     }
@@ -147,7 +147,7 @@ impl DeviceInput {
                     msg = m;
                     if self.policy == DropPolicy::DropOldest {
                         if let Ok(Msg::Frame(_)) = self.rx.try_recv() {
-                            self.counters.drops.fetch_add(1, Ordering::Relaxed);
+                            self.counters.dropped();
                         }
                     } else if std::time::Instant::now() >= deadline {
                         tracing::warn!(
