@@ -686,3 +686,58 @@ fn a_dropped_listener_frees_its_address_at_once() {
     knocking.store(false, std::sync::atomic::Ordering::Relaxed);
     knocker.join().unwrap();
 }
+
+/// Idle connections that never say Hello hold a handshake thread each, up to a bound: beyond it
+/// connections are closed at once and reported as refusals; once the idle ones go away, a real
+/// sender gets in.
+#[test]
+fn a_flood_of_idle_connections_is_bounded_and_does_not_lock_senders_out() {
+    let mut listener = tcp::listen("127.0.0.1:0", settings(2, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let idle: Vec<std::net::TcpStream> = (0..64)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    let mut extra = Vec::new();
+    let mut refusals = Vec::new();
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            extra.push(std::net::TcpStream::connect(&addr).unwrap());
+            refusals.extend(listener.refusals());
+            refusals
+                .iter()
+                .any(|r| r.why.contains("handshakes already in progress"))
+        }),
+        "no connection was turned away: {refusals:?}"
+    );
+    drop(idle);
+    drop(extra);
+    let opts = SenderOptions {
+        name: "after-flood".into(),
+        token: "t0k".into(),
+        block_size: 4096,
+        ..Default::default()
+    };
+    let receiver = ReceiverHandle::start(
+        ReceiverOptions::default(),
+        Box::new(listener),
+        Arc::new(Collect::default()),
+    )
+    .unwrap();
+    let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr)), 4).unwrap();
+    let input = s.add_device(0, DropPolicy::Block);
+    assert!(input.push(rdmastream::source::SourceFrame {
+        index: 0,
+        timestamp_ns: 1,
+        duration_ns: 0,
+        pts_ns: None,
+        format: "".into(),
+        data: vec![1u8; 100].into(),
+    }));
+    input.end();
+    drop(input);
+    s.finish(Duration::from_secs(30)).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(20), || receiver.all_senders_ended()),
+        "the sender's stream did not arrive"
+    );
+}

@@ -14,7 +14,7 @@
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
@@ -468,6 +468,10 @@ pub struct SideChannelListener {
 /// returns and how late a connection is picked up.
 const ACCEPT_POLL: Duration = Duration::from_millis(5);
 
+/// Handshakes in progress at most (each on its own thread, for up to `HANDSHAKE_TIMEOUT`);
+/// connections beyond are closed at once.
+const MAX_HANDSHAKES: usize = 64;
+
 impl SideChannelListener {
     /// Binds `addr` and accepts on it in a thread named after `transport` until dropped; each
     /// connection (blocking again) goes to `handshake` on a thread of its own.
@@ -488,18 +492,37 @@ impl SideChannelListener {
         let handshake = Arc::new(handshake);
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
+        let handshakes = Arc::new(AtomicUsize::new(0));
         let thread_name = format!("{transport}-accept");
         let thread = spawn(thread_name, move || {
             while !stopping.load(Ordering::Acquire) {
                 match listener.accept() {
-                    Ok((stream, _)) => {
+                    Ok((stream, peer)) => {
+                        if handshakes.load(Ordering::Acquire) >= MAX_HANDSHAKES {
+                            // A flood of idle connections must not become a flood of threads.
+                            tracing::debug!(%peer, "too many handshakes in progress; closed");
+                            let _ = refused_tx.try_send(Refusal {
+                                peer: peer.to_string(),
+                                why: format!(
+                                    "closed at once: {MAX_HANDSHAKES} handshakes already in progress"
+                                ),
+                            });
+                            continue;
+                        }
                         if stream.set_nonblocking(false).is_err() {
                             continue;
                         }
-                        let (handshake, accepted_tx, refused_tx) =
-                            (handshake.clone(), accepted_tx.clone(), refused_tx.clone());
+                        let (handshake, accepted_tx, refused_tx, handshakes) = (
+                            handshake.clone(),
+                            accepted_tx.clone(),
+                            refused_tx.clone(),
+                            handshakes.clone(),
+                        );
+                        handshakes.fetch_add(1, Ordering::AcqRel);
                         let _ = spawn(format!("{transport}-handshake"), move || {
-                            match handshake(stream) {
+                            let result = handshake(stream);
+                            handshakes.fetch_sub(1, Ordering::AcqRel);
+                            match result {
                                 Ok(a) => {
                                     let _ = accepted_tx.send(a);
                                 }
