@@ -327,9 +327,102 @@ fn images_source_streams_the_shipped_assets() {
 
 /// A block that fails validation (here: garbage with status 1, as a buggy or hostile peer could
 /// leave) is counted per kind, freed, and the receiver carries on.
+/// Writes `data` into remote block `j` (of `block_size` bytes) and sets its status byte to FULL,
+/// as one chain: what a sender does, without a sender's checks.
+fn write_raw_block(
+    conn: &mut dyn rdmastream::transport::Connection,
+    j: usize,
+    block_size: usize,
+    data: &[u8],
+) {
+    use rdmastream::transport::{RemoteAddr, Target, WriteSource, WriteWr};
+    let chain = [
+        WriteWr {
+            source: WriteSource::Inline(data),
+            remote: RemoteAddr {
+                target: Target::Blocks,
+                offset: (j * block_size) as u64,
+            },
+            signaled: false,
+        },
+        WriteWr {
+            source: WriteSource::Inline(&[status::FULL]),
+            remote: RemoteAddr {
+                target: Target::Statuses,
+                offset: j as u64,
+            },
+            signaled: true,
+        },
+    ];
+    conn.post_write_chain(j as u64, &chain).unwrap();
+}
+
+/// An end of stream that waited behind a lost packet is released by the reorder timeout, not by
+/// a block: the device still counts as ended, so `--exit-after-eos` can finish.
+#[test]
+fn an_end_of_stream_released_by_the_reorder_timeout_ends_the_device() {
+    use rdmastream::proto::header::flags;
+    use rdmastream::proto::{BlockHeader, NO_PTS};
+    use rdmastream::transport::{Connector, SendBlocks};
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 256, vec![]));
+    let sink = Arc::new(Collect::default());
+    let receiver = ReceiverHandle::start(
+        ReceiverOptions {
+            reorder: rdmastream::proto::ReorderConfig {
+                window: 64,
+                timeout: Duration::from_millis(50),
+            },
+            ..Default::default()
+        },
+        Box::new(listener),
+        sink.clone(),
+    )
+    .unwrap();
+    let hello = rdmastream::proto::handshake::Hello {
+        version: rdmastream::proto::handshake::PROTOCOL_VERSION,
+        sender: "lossy".into(),
+        token: "t0k".into(),
+        session: 7,
+        data_path: rdmastream::proto::handshake::DataPath::Tcp,
+        qp: Default::default(),
+    };
+    let blocks = SendBlocks::new(1, 256);
+    let mut conn = fabric.connector("rx").connect(&hello, &blocks).unwrap();
+    let header = |packet: u16, flags: u8, frame_index: u64, len: u32| BlockHeader {
+        device: 3,
+        packet,
+        flags,
+        fragment_index: 0,
+        fragment_count: 1,
+        payload_len: len,
+        frame_index,
+        timestamp_ns: 0,
+        message_len: len,
+        duration_ns: 0,
+        pts_ns: NO_PTS,
+    };
+    // Packet 0 starts the stream with a frame, packet 1 is lost, packet 2 ends the stream.
+    for (j, h, payload) in [
+        (0, header(0, flags::STREAM_START, 0, 3), &b"abc"[..]),
+        (1, header(2, flags::END_OF_STREAM, 2, 0), &b""[..]),
+    ] {
+        let mut block = vec![0u8; 256];
+        let used = h.encode_block(payload, &mut block);
+        write_raw_block(conn.as_mut(), j, 256, &block[..used]);
+    }
+    drop(conn);
+    assert!(
+        wait_until(Duration::from_secs(20), || receiver.all_senders_ended()),
+        "the device's end of stream did not count: {:?}",
+        sink.frames.lock().unwrap()
+    );
+    assert_eq!(receiver.reorder_stats()[0].1.gap_packets, 1);
+}
+
 #[test]
 fn invalid_blocks_are_counted_freed_and_survived() {
-    use rdmastream::transport::{Connector, RemoteAddr, SendBlocks, Target, WriteSource, WriteWr};
+    use rdmastream::transport::{Connector, RemoteAddr, SendBlocks, Target};
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(4, 256, vec![]));
     let sink = Arc::new(Collect::default());
@@ -374,25 +467,7 @@ fn invalid_blocks_are_counted_freed_and_survived() {
         .enumerate()
     {
         let data: Vec<u8> = src.read(0, len, |b| b.to_vec());
-        let chain = [
-            WriteWr {
-                source: WriteSource::Inline(&data),
-                remote: RemoteAddr {
-                    target: Target::Blocks,
-                    offset: (j * 256) as u64,
-                },
-                signaled: false,
-            },
-            WriteWr {
-                source: WriteSource::Inline(&[status::FULL]),
-                remote: RemoteAddr {
-                    target: Target::Statuses,
-                    offset: j as u64,
-                },
-                signaled: true,
-            },
-        ];
-        conn.post_write_chain(j as u64, &chain).unwrap();
+        write_raw_block(conn.as_mut(), j, 256, &data);
     }
     assert!(wait_until(Duration::from_secs(5), || receiver
         .invalid()

@@ -82,6 +82,23 @@ const HELD_BEFORE_FORMAT: usize = 16;
 impl SenderState {
     /// Passes events on in order, except that frames before the device's first format are held
     /// (at most [`HELD_BEFORE_FORMAT`]) and delivered right after it.
+    /// What a device's reorder stream just gave up, made ready for the sink: held back until
+    /// the device's format (see `order_after_format`), and the device marked ended when its end
+    /// of stream is among them (or not ended when it carries on). Every path that takes events
+    /// from a `DeviceStream` goes through here.
+    fn release(&mut self, device: u8, events: Vec<StreamEvent>) -> Vec<StreamEvent> {
+        let events = self.order_after_format(device, events);
+        if events
+            .iter()
+            .any(|e| matches!(e, StreamEvent::EndOfStream { .. }))
+        {
+            self.ended.insert(device);
+        } else if !events.is_empty() {
+            self.ended.remove(&device);
+        }
+        events
+    }
+
     fn order_after_format(&mut self, device: u8, events: Vec<StreamEvent>) -> Vec<StreamEvent> {
         let mut out = Vec::with_capacity(events.len());
         for ev in events {
@@ -289,6 +306,21 @@ fn accept_loop(
         // Each refusal was logged where it happened; here it is counted.
         let refused = listener.refusals().len() as u64;
         shared.refused.fetch_add(refused, Ordering::Relaxed);
+        // A sender's reorder timeouts are checked by its polling thread; once its last
+        // connection is gone they are checked here, so what waited behind a lost packet (an end
+        // of stream, say) is still given up and delivered. No poller of that sender is running
+        // (connections are counted here, in this thread), so nothing is delivered twice at once.
+        let idle: Vec<String> = shared
+            .senders
+            .lock()
+            .iter()
+            .filter(|(_, s)| s.connections == 0)
+            .map(|(name, _)| name.clone())
+            .collect();
+        let now = Instant::now();
+        for name in idle {
+            check_timeouts(&shared, &name, now);
+        }
         match listener.accept(Duration::from_millis(50)) {
             Ok(Some(accepted)) => {
                 let name = accepted.hello.sender.clone();
@@ -450,24 +482,20 @@ fn route(shared: &Shared, name: &str, p: Packet) {
         stream.handle_packet(Instant::now(), p);
         let events: Vec<_> = std::iter::from_fn(|| stream.poll_event()).collect();
         let gaps = stream.stats().gap_packets;
-        let events = state.order_after_format(device, events);
-        if events
-            .iter()
-            .any(|e| matches!(e, StreamEvent::EndOfStream { .. }))
-        {
-            state.ended.insert(device);
-        } else if !events.is_empty() {
-            state.ended.remove(&device);
-        }
-        (events, gaps)
+        (state.release(device, events), gaps)
     };
+    // The sink may block; the sender lock is not held here.
+    publish(shared, &key, events, gaps);
+}
+
+/// Hands a device's released events to the sink and publishes its gap count.
+fn publish(shared: &Shared, key: &StreamKey, events: Vec<StreamEvent>, gaps: u64) {
     shared
         .counters
-        .device(&key)
+        .device(key)
         .gaps
         .store(gaps, Ordering::Relaxed);
-    // The sink may block; the sender lock is not held here.
-    deliver(shared, &key, events);
+    deliver(shared, key, events);
 }
 
 fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
@@ -485,7 +513,7 @@ fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
             }
         }
         for (device, events, _) in pending.iter_mut() {
-            *events = state.order_after_format(*device, std::mem::take(events));
+            *events = state.release(*device, std::mem::take(events));
         }
     }
     for (device, events, gaps) in pending {
@@ -493,11 +521,6 @@ fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
             sender: name.to_string(),
             device,
         };
-        shared
-            .counters
-            .device(&key)
-            .gaps
-            .store(gaps, Ordering::Relaxed);
-        deliver(shared, &key, events);
+        publish(shared, &key, events, gaps);
     }
 }
