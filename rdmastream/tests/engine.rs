@@ -327,6 +327,18 @@ fn images_source_streams_the_shipped_assets() {
 
 /// A block that fails validation (here: garbage with status 1, as a buggy or hostile peer could
 /// leave) is counted per kind, freed, and the receiver carries on.
+/// The Hello of a hand-made connection named `sender` (tests that write blocks themselves).
+fn raw_hello(sender: &str) -> rdmastream::proto::handshake::Hello {
+    rdmastream::proto::handshake::Hello {
+        version: rdmastream::proto::handshake::PROTOCOL_VERSION,
+        sender: sender.into(),
+        token: "t0k".into(),
+        session: 9,
+        data_path: rdmastream::proto::handshake::DataPath::Tcp,
+        qp: Default::default(),
+    }
+}
+
 /// Writes `data` into remote block `j` (of `block_size` bytes) and sets its status byte to FULL,
 /// as one chain: what a sender does, without a sender's checks.
 fn write_raw_block(
@@ -379,16 +391,11 @@ fn an_end_of_stream_released_by_the_reorder_timeout_ends_the_device() {
         sink.clone(),
     )
     .unwrap();
-    let hello = rdmastream::proto::handshake::Hello {
-        version: rdmastream::proto::handshake::PROTOCOL_VERSION,
-        sender: "lossy".into(),
-        token: "t0k".into(),
-        session: 7,
-        data_path: rdmastream::proto::handshake::DataPath::Tcp,
-        qp: Default::default(),
-    };
     let blocks = SendBlocks::new(1, 256);
-    let mut conn = fabric.connector("rx").connect(&hello, &blocks).unwrap();
+    let mut conn = fabric
+        .connector("rx")
+        .connect(&raw_hello("lossy"), &blocks)
+        .unwrap();
     let header = |packet: u16, flags: u8, frame_index: u64, len: u32| BlockHeader {
         device: 3,
         packet,
@@ -437,15 +444,10 @@ fn invalid_blocks_are_counted_freed_and_survived() {
     .unwrap();
     let blocks = SendBlocks::new(1, 256);
     blocks.fill(0, |b| b.fill(0xAB));
-    let hello = rdmastream::proto::handshake::Hello {
-        version: rdmastream::proto::handshake::PROTOCOL_VERSION,
-        sender: "evil".into(),
-        token: "t0k".into(),
-        session: 9,
-        data_path: rdmastream::proto::handshake::DataPath::Tcp,
-        qp: Default::default(),
-    };
-    let mut conn = fabric.connector("rx").connect(&hello, &blocks).unwrap();
+    let mut conn = fabric
+        .connector("rx")
+        .connect(&raw_hello("evil"), &blocks)
+        .unwrap();
     // A well-formed block for device 200 (> max_device 10), then garbage, into blocks 0 and 1.
     let h = rdmastream::proto::BlockHeader {
         device: 200,
