@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::Duration;
 
-use rdmastream_testkit::{bin, free_port, wait};
+use rdmastream_testkit::{bin, exits_ok, free_port};
 
 const EXIT_DEADLINE: Duration = Duration::from_secs(180);
 
@@ -14,13 +14,11 @@ fn spawn(dir: &Path, name: &str, args: &[&str]) -> Child {
 }
 
 fn wait_success(mut child: Child, dir: &Path, name: &str) {
-    let log = dir.join(format!("{name}.log"));
-    let code = wait(&mut child, EXIT_DEADLINE, name, &log);
-    assert_eq!(
-        code,
-        0,
-        "{name} exited with {code}; log:\n{}",
-        std::fs::read_to_string(&log).unwrap_or_default()
+    exits_ok(
+        &mut child,
+        EXIT_DEADLINE,
+        name,
+        &dir.join(format!("{name}.log")),
     );
 }
 

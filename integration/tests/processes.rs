@@ -112,18 +112,8 @@ fn frames_arrive_complete_in_order_bit_exact_across_retained_blocks_and_packet_w
         &["--config", tx_cfg.to_str().unwrap()],
         &tx_log,
     );
-    assert_eq!(
-        wait(&mut tx, Duration::from_secs(300), "sender", &tx_log),
-        0,
-        "sender failed:\n{}",
-        tail(&tx_log)
-    );
-    assert_eq!(
-        wait(&mut rx, Duration::from_secs(60), "receiver", &rx_log),
-        0,
-        "receiver failed:\n{}",
-        tail(&rx_log)
-    );
+    exits_ok(&mut tx, Duration::from_secs(300), "sender", &tx_log);
+    exits_ok(&mut rx, Duration::from_secs(60), "receiver", &rx_log);
     let rx_text = std::fs::read_to_string(&rx_log).unwrap();
     assert!(rx_text.contains("verify: all"), "{}", tail(&rx_log));
     assert!(
@@ -231,18 +221,8 @@ fn receiver_killed_and_restarted_mid_stream() {
         .status()
         .unwrap();
     assert!(interrupted.success());
-    assert_eq!(
-        wait(&mut tx, Duration::from_secs(60), "sender", &tx_log),
-        0,
-        "sender failed:\n{}",
-        tail(&tx_log)
-    );
-    assert_eq!(
-        wait(&mut rx2, Duration::from_secs(60), "receiver", &rx2_log),
-        0,
-        "restarted receiver failed:\n{}",
-        tail(&rx2_log)
-    );
+    exits_ok(&mut tx, Duration::from_secs(60), "sender", &tx_log);
+    exits_ok(&mut rx2, Duration::from_secs(60), "receiver", &rx2_log);
     let tx_text = std::fs::read_to_string(&tx_log).unwrap();
     assert!(
         !tx_text.contains(" 1 connections"),
@@ -308,19 +288,9 @@ fn two_senders_into_one_receiver() {
         ));
     }
     for (mut s, log) in senders {
-        assert_eq!(
-            wait(&mut s, Duration::from_secs(120), "sender", &log),
-            0,
-            "{}",
-            tail(&log)
-        );
+        exits_ok(&mut s, Duration::from_secs(120), "sender", &log);
     }
-    assert_eq!(
-        wait(&mut rx, Duration::from_secs(60), "receiver", &rx_log),
-        0,
-        "{}",
-        tail(&rx_log)
-    );
+    exits_ok(&mut rx, Duration::from_secs(60), "receiver", &rx_log);
     for name in ["node-a", "node-b"] {
         let cams = check_device(
             &out.join(format!("{name}/device-004")),
@@ -411,18 +381,8 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
         &["--config", good.to_str().unwrap()],
         &good_log,
     );
-    assert_eq!(
-        wait(&mut s, Duration::from_secs(60), "sender", &good_log),
-        0,
-        "{}",
-        tail(&good_log)
-    );
-    assert_eq!(
-        wait(&mut rx, Duration::from_secs(60), "receiver", &rx_log),
-        0,
-        "{}",
-        tail(&rx_log)
-    );
+    exits_ok(&mut s, Duration::from_secs(60), "sender", &good_log);
+    exits_ok(&mut rx, Duration::from_secs(60), "receiver", &rx_log);
     assert_eq!(
         check_device(&out.join("friend/device-000"), 0, None, 1000),
         40

@@ -106,6 +106,12 @@ pub fn wait(child: &mut Child, timeout: Duration, what: &str, log: &Path) -> i32
     }
 }
 
+/// Waits for `child` like [`wait`] and asserts it exited 0, showing the tail of `log` if not.
+pub fn exits_ok(child: &mut Child, timeout: Duration, what: &str, log: &Path) {
+    let code = wait(child, timeout, what, log);
+    assert_eq!(code, 0, "{what} exited with {code}; log:\n{}", tail(log));
+}
+
 /// Polls `cond` until it holds (true) or `timeout` passes (false).
 pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + timeout;

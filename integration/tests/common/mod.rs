@@ -32,7 +32,7 @@ impl It {
     }
 }
 
-pub use rdmastream_testkit::{bin, free_port, spawn, tail, wait, wait_for};
+pub use rdmastream_testkit::{bin, exits_ok, free_port, spawn, tail, wait, wait_for};
 
 /// Frame indices of the files in `dir` (sorted), ignoring temporaries.
 pub fn frame_files(dir: &Path) -> Vec<(u64, PathBuf)> {
