@@ -30,6 +30,12 @@
 //! With `wait-for-sender=true` (default) a sender whose connection is lost before it ended the
 //! stream is waited for (a warning message is posted); when it reconnects the stream goes on.
 //! With `wait-for-sender=false` the element posts an error naming the sender and its address.
+//!
+//! ## A sender that is refused
+//!
+//! A connection the shared listener turns away (wrong `auth-token`, wrong transport, a malformed
+//! handshake) is a warning message on every `rdmasrc` of that listener, naming the peer's address
+//! and the reason. It is not an error: the other senders keep streaming.
 
 use gst::glib;
 use gst::prelude::*;
