@@ -20,14 +20,26 @@ for l in sys.stdin:
         print(m["executable"])' "$2"
 }
 processes="$(test_exe rdmastream-integration processes)"
+# The core's unit tests include the verbs isolation test (protection domain per sender).
+core="$(cargo test --release -p rdmastream --lib --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import json, sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["lib"]:
+        print(m["executable"])')"
 pipelines="$(test_exe gst-plugin-rdma pipelines)"
 harness="$(test_exe gst-plugin-rdma harness)"
-for exe in "$processes" "$pipelines" "$harness"; do
+for exe in "$core" "$processes" "$pipelines" "$harness"; do
   [ -x "$exe" ] || { echo "test-vm: could not build the test executables" >&2; exit 1; }
 done
-echo "== over verbs (Soft-RoCE rxe0 in a VM): $processes, $pipelines, $harness"
+echo "== over verbs (Soft-RoCE rxe0 in a VM): $core (isolation), $processes, $pipelines, $harness"
 scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
   env RDMASTREAM_PREBUILT=1 RDMASTREAM_IT_TRANSPORT=verbs RDMASTREAM_IT_HOST=192.0.2.1 \
   RDMASTREAM_TEST_TRANSPORT=verbs RDMASTREAM_TEST_HOST=192.0.2.1 RUST_BACKTRACE=1 \
-  bash -c '"$1" --test-threads=1; a=$?; "$2" --test-threads=1; b=$?; "$3" --test-threads=1; c=$?
-    exit $((a | b | c))' _ "$processes" "$pipelines" "$harness"
+  bash -c 'run() { # seconds exe args...: one hung test binary must not eat the others' time
+      local t=$1; shift; timeout -k 10 "$t" "$@"; local r=$?
+      [ $r -eq 124 ] && echo "test-vm: $1 did not finish within $t s" >&2; return $r; }
+    run 120 "$1" --test-threads=1 isolation_tests; i=$?
+    run 480 "$2" --test-threads=1; a=$?; run 420 "$3" --test-threads=1; b=$?
+    run 360 "$4" --test-threads=1; c=$?
+    exit $((i | a | b | c))' _ "$core" "$processes" "$pipelines" "$harness"

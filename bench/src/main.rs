@@ -13,6 +13,8 @@
 //! `frame-cpu`: what one 640×480 RGB frame costs the CPU outside the transport (the filling
 //! copy, the CRC32C seal, the receiver's validation), here or in the VM, to compare the two.
 
+mod soak;
+
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -79,13 +81,22 @@ fn main() {
             )
         }
         "cameras" => cameras(seconds.max(5.0) * 2.0),
+        "soak" => {
+            let minutes = args
+                .iter()
+                .position(|a| a == "--minutes")
+                .and_then(|i| args.get(i + 1))
+                .and_then(|m| m.parse().ok())
+                .unwrap_or(10.0);
+            soak::soak(minutes)
+        }
         "all" => {
             throughput(seconds);
             cameras(10.0);
         }
         other => {
             eprintln!(
-                "usage: bench [throughput|cameras|frame-cpu|verbs|verbs-sync|all] [--seconds S] [--rounds R]  (unknown: {other})"
+                "usage: bench [throughput|cameras|frame-cpu|verbs|verbs-sync|soak|all] [--seconds S] [--rounds R] [--minutes M]  (unknown: {other})"
             );
             std::process::exit(2);
         }
@@ -100,7 +111,8 @@ struct CountingSink {
 }
 
 impl FrameSink for CountingSink {
-    fn handle(&self, _: &StreamKey, _: &Arc<DeviceCounters>, event: StreamEvent) {
+    fn handle(&self, _: &StreamKey, _: u64, _: &Arc<DeviceCounters>, event: StreamEvent) {
+        rdmastream::proto::ack::settle(event.ack());
         if let StreamEvent::Frame(f) = event {
             self.frames.fetch_add(1, Ordering::Relaxed);
             self.bytes.fetch_add(f.data.len() as u64, Ordering::Relaxed);
@@ -182,7 +194,7 @@ fn transport_rate(
     let hello = Hello {
         version: PROTOCOL_VERSION,
         sender: "bench".into(),
-        token: String::new(),
+        nonce: [0; 32],
         session: 1,
         data_path: DataPath::Tcp,
         qp: QpInfo::default(),
@@ -219,11 +231,11 @@ fn transport_rate(
             }
         })
     };
-    let mut conn = connector.connect(&hello, &blocks).expect("connect");
+    let mut conn = connector.connect(&hello, None, &blocks).expect("connect");
     let mut m = SenderMachine::new(8);
     m.handle_connected(conn.layout());
     for i in 0..8 {
-        m.handle_filled(i, block);
+        m.handle_filled(i, block, rdmastream::proto::Delivery::Unconfirmed);
     }
     let mut done = Vec::new();
     let (mut t0, mut r0) = (None, 0);
@@ -253,7 +265,7 @@ fn transport_rate(
         }
         // "Refill" instantly: the block's bytes are already there.
         while let Some(i) = m.poll_freed() {
-            m.handle_filled(i, block);
+            m.handle_filled(i, block, rdmastream::proto::Delivery::Unconfirmed);
         }
     }
     let r1 = received.load(Ordering::Relaxed);
@@ -311,12 +323,7 @@ fn region(block: usize) -> RegionSettings {
         .ok()
         .and_then(|b| b.parse().ok())
         .unwrap_or(16);
-    RegionSettings {
-        blocks,
-        block_size: block,
-        token: String::new(),
-        reserved_blocks: vec![],
-    }
+    RegionSettings::plain(blocks, block)
 }
 
 fn human(n: usize) -> String {
@@ -438,12 +445,7 @@ const VM_HOST: &str = "192.0.2.1";
 /// Our sync: one RDMA READ of `n` status bytes, posted and polled to completion; median and p99
 /// in microseconds over `iters` reads.
 fn sync_latency(n: usize, iters: usize, settings: &VerbsSettings) -> (f64, f64) {
-    let region = RegionSettings {
-        blocks: n,
-        block_size: 4096,
-        token: String::new(),
-        reserved_blocks: vec![],
-    };
+    let region = RegionSettings::plain(n, 4096);
     let mut listener =
         verbs::listen(&format!("{VM_HOST}:0"), region, settings.clone()).expect("listener");
     let addr = listener.local_addr();
@@ -452,7 +454,7 @@ fn sync_latency(n: usize, iters: usize, settings: &VerbsSettings) -> (f64, f64) 
     let hello = Hello {
         version: PROTOCOL_VERSION,
         sender: "lat".into(),
-        token: String::new(),
+        nonce: [0; 32],
         session: 2,
         data_path: DataPath::Verbs,
         qp: QpInfo::default(),
@@ -466,7 +468,7 @@ fn sync_latency(n: usize, iters: usize, settings: &VerbsSettings) -> (f64, f64) 
         std::thread::sleep(Duration::from_secs(3600));
         drop(a);
     });
-    let mut conn = connector.connect(&hello, &blocks).expect("connect");
+    let mut conn = connector.connect(&hello, None, &blocks).expect("connect");
     let mut samples = Vec::with_capacity(iters);
     let mut done = Vec::new();
     for i in 0..iters + 50 {
@@ -526,12 +528,7 @@ fn verbs(secs: f64) {
     );
     for block in SIZES {
         eprintln!("   ... {} ours", human(block));
-        let region = RegionSettings {
-            blocks: 16,
-            block_size: block,
-            token: String::new(),
-            reserved_blocks: vec![],
-        };
+        let region = RegionSettings::plain(16, block);
         let l = verbs::listen(&format!("{VM_HOST}:0"), region, settings.clone()).expect("listener");
         let addr = l.local_addr();
         let ours = transport_rate(

@@ -183,6 +183,9 @@ struct DevicePipeline {
     first_ns: Option<u64>,
     frames_before_caps: u64,
     failed: bool,
+    /// The sender session this pipeline carries, and the newest frame index pushed.
+    session: u64,
+    last: Option<u64>,
 }
 
 impl DevicePipeline {
@@ -212,7 +215,10 @@ impl DevicePipeline {
 /// Per configured device, frames go into `appsrc ! <launch>`; other devices go to `fallback`.
 ///
 /// In a launch string `{sender}` and `{device}` are replaced by the sender name and device
-/// number, so that several senders' streams of one device number get separate files.
+/// number, so that several senders' streams of one device number get separate files, and
+/// `{session}` by when the stream started at this receiver (UTC, to the millisecond), so that a
+/// later stream (the device ended and came back, the sender or the receiver restarted) never
+/// replaces an earlier stream's file.
 pub struct LaunchSinks {
     launches: HashMap<u8, String>,
     fallback: Arc<dyn FrameSink>,
@@ -246,7 +252,8 @@ impl LaunchSinks {
     fn build(launch: &str, key: &StreamKey) -> Result<(gst::Pipeline, gst_app::AppSrc), String> {
         let launch = launch
             .replace("{sender}", &key.sender)
-            .replace("{device}", &key.device.to_string());
+            .replace("{device}", &key.device.to_string())
+            .replace("{session}", &session_stamp(unix_now_ns()));
         let pipeline = parse(&format!("appsrc name=rdmastream-in ! {launch}"))?;
         let appsrc = pipeline
             .by_name("rdmastream-in")
@@ -260,7 +267,7 @@ impl LaunchSinks {
         Ok((pipeline, appsrc))
     }
 
-    fn start(&self, launch: &str, key: &StreamKey) -> DevicePipeline {
+    fn start(&self, launch: &str, key: &StreamKey, session: u64) -> DevicePipeline {
         let started = Self::build(launch, key).and_then(|(pipeline, appsrc)| {
             pipeline
                 .set_state(gst::State::Playing)
@@ -280,6 +287,8 @@ impl LaunchSinks {
                     first_ns: None,
                     frames_before_caps: 0,
                     failed: false,
+                    session,
+                    last: None,
                 }
             }
             Err(e) => {
@@ -291,30 +300,71 @@ impl LaunchSinks {
                     first_ns: None,
                     frames_before_caps: 0,
                     failed: true,
+                    session,
+                    last: None,
                 }
             }
         }
     }
 }
 
+/// `YYYYMMDD-HHMMSS.mmm` (UTC) of `unix_ns`: sorts in time order, safe in file names.
+pub fn session_stamp(unix_ns: u64) -> String {
+    let secs = unix_ns / 1_000_000_000;
+    let ms = (unix_ns / 1_000_000) % 1000;
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}{m:02}{d:02}-{:02}{:02}{:02}.{ms:03}",
+        rem / 3600,
+        (rem / 60) % 60,
+        rem % 60
+    )
+}
+
 impl FrameSink for LaunchSinks {
-    fn handle(&self, key: &StreamKey, counters: &Arc<DeviceCounters>, event: StreamEvent) {
+    fn handle(
+        &self,
+        key: &StreamKey,
+        session: u64,
+        counters: &Arc<DeviceCounters>,
+        event: StreamEvent,
+    ) {
         let Some(launch) = self.launches.get(&key.device) else {
-            self.fallback.handle(key, counters, event);
+            self.fallback.handle(key, session, counters, event);
             return;
         };
         let mut running = self.running.lock().unwrap();
-        if let StreamEvent::EndOfStream { .. } = event {
+        if let StreamEvent::EndOfStream { ack, .. } = &event {
             if let Some(p) = running.remove(key) {
                 drop(running);
                 p.finish(key);
             }
+            rdmastream::proto::ack::settle(ack);
             return;
+        }
+        // A new session of the sender (it restarted without ending its streams): the earlier
+        // stream's pipeline is finished, the new one gets its own.
+        if running.get(key).is_some_and(|p| p.session != session)
+            && let Some(old) = running.remove(key)
+        {
+            old.finish(key);
         }
         let p = running
             .entry(key.clone())
-            .or_insert_with(|| self.start(launch, key));
+            .or_insert_with(|| self.start(launch, key, session));
         if p.failed {
+            // Nothing can take this device's frames: a lossless one stays unconfirmed (its
+            // blocks are not freed), so its sender waits instead of losing them silently.
             return;
         }
         if let Some(e) = bus_error(&p.pipeline.bus().expect("a pipeline has a bus")) {
@@ -324,26 +374,42 @@ impl FrameSink for LaunchSinks {
             return;
         }
         match event {
-            StreamEvent::Format { descriptor, .. } => {
+            StreamEvent::Format {
+                descriptor, ack, ..
+            } => {
+                rdmastream::proto::ack::settle(&ack);
                 let text = String::from_utf8_lossy(&descriptor);
                 match gst::Caps::from_str(text.trim()) {
                     Ok(caps) => {
                         p.appsrc.set_caps(Some(&caps));
                         p.caps = Some(caps);
                     }
-                    Err(_) => tracing::warn!("{key}: format {text:?} is not GStreamer caps"),
+                    Err(_) => rdmastream::warn_limited!(
+                        format!("caps-{key}"),
+                        "{key}: format {} is not GStreamer caps",
+                        rdmastream::logsafe::clean(&text, rdmastream::logsafe::MAX_PEER_TEXT)
+                    ),
                 }
             }
             StreamEvent::Frame(f) => {
+                if p.last.is_some_and(|l| f.index <= l) {
+                    // Sent again after a reconnect: already pushed.
+                    counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                    rdmastream::proto::ack::settle(&f.ack);
+                    return;
+                }
+                p.last = Some(f.index);
                 if p.caps.is_none() {
                     if p.frames_before_caps == 0 {
                         tracing::warn!("{key}: frames before any format; dropped until one comes");
                     }
                     p.frames_before_caps += 1;
+                    rdmastream::proto::ack::settle(&f.ack);
                     return;
                 }
                 let ts = f.pts_ns.unwrap_or(f.timestamp_ns);
                 let first = *p.first_ns.get_or_insert(ts);
+                let ack = f.ack.clone();
                 let mut buffer = gst::Buffer::from_slice(f.data);
                 {
                     let b = buffer.get_mut().expect("new buffer");
@@ -356,8 +422,15 @@ impl FrameSink for LaunchSinks {
                 let appsrc = p.appsrc.clone();
                 // push_buffer may wait for room; not under the map's lock.
                 drop(running);
-                if let Err(e) = appsrc.push_buffer(buffer) {
-                    tracing::debug!("{key}: appsrc refused a buffer: {e:?}");
+                match appsrc.push_buffer(buffer) {
+                    Ok(_) => {
+                        counters.written.fetch_add(1, Ordering::Relaxed);
+                        rdmastream::proto::ack::settle(&ack);
+                    }
+                    Err(e) => {
+                        counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!("{key}: appsrc refused a buffer: {e:?}");
+                    }
                 }
             }
             StreamEvent::EndOfStream { .. } => unreachable!("handled above"),

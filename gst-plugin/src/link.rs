@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use rdmastream::engine::{DeviceInput, SenderHandle, SenderOptions};
 use rdmastream::proto::RemoteLayout;
-use rdmastream::proto::handshake::Hello;
+use rdmastream::proto::handshake::{Hello, Key};
 use rdmastream::source::SourceFrame;
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::{Completion, Connection, Connector, RemoteAddr, SendBlocks, WriteWr};
@@ -106,9 +106,10 @@ impl Connector for ObservedConnector {
     fn connect(
         &self,
         hello: &Hello,
+        key: Option<&Key>,
         blocks: &Arc<SendBlocks>,
     ) -> rdmastream::Result<Box<dyn Connection>> {
-        match self.inner.connect(hello, blocks) {
+        match self.inner.connect(hello, key, blocks) {
             Ok(conn) => {
                 let (offered, own) = (conn.layout().block_size, blocks.block_size());
                 // A sender's blocks must fit the receiver's (smaller ones are fine). Refusing
@@ -132,7 +133,10 @@ impl Connector for ObservedConnector {
                 }))
             }
             Err(e) => {
-                let fatal = matches!(e, rdmastream::Error::Refused { .. });
+                let fatal = matches!(
+                    e,
+                    rdmastream::Error::Refused { .. } | rdmastream::Error::Auth { .. }
+                );
                 self.link.failed(e.to_string(), fatal);
                 Err(e)
             }

@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use rdmastream::engine::{FrameSink, ReceiverHandle, ReceiverOptions, StreamKey};
-use rdmastream::proto::{Frame, StreamEvent};
+use rdmastream::proto::{Budget, Frame, Limits, StreamEvent};
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::{Accepted, Listener, MAX_REFUSALS, Refusal, Region, RegionSettings};
 
@@ -25,6 +25,15 @@ pub enum Item {
     Format(Vec<u8>),
     Frame(Frame),
     EndOfStream,
+}
+
+impl Item {
+    /// Handed on (or deliberately dropped): a lossless frame's block may go back to the sender.
+    pub fn settle(&self) {
+        if let Item::Frame(f) = self {
+            rdmastream::proto::ack::settle(&f.ack);
+        }
+    }
 }
 
 /// What [`FrameQueue::pop`] found.
@@ -73,8 +82,10 @@ impl FrameQueue {
                 match self.policy {
                     DropPolicy::DropOldest => {
                         if let Some(pos) = s.items.iter().position(|i| matches!(i, Item::Frame(_)))
+                            && let Some(dropped) = s.items.remove(pos)
                         {
-                            s.items.remove(pos);
+                            // Dropped on purpose (drop-oldest): the sender may reuse the block.
+                            dropped.settle();
                             s.frames -= 1;
                             s.dropped += 1;
                         }
@@ -162,6 +173,8 @@ pub struct Route {
     current: Mutex<Option<String>>,
     /// Other senders of the same device already warned about.
     ignored: Mutex<HashSet<String>>,
+    /// The newest frame queued: sender, session and frame index (for duplicates).
+    last: Mutex<Option<(String, u64, u64)>>,
 }
 
 impl Route {
@@ -247,11 +260,14 @@ impl SenderTable {
 
     fn record(&self, a: &Accepted) {
         let mut c = self.connections.lock().unwrap();
-        // Forget closed connections; keep the newest one of each sender for its peer address.
+        // Forget closed connections; keep the newest one of each sender for its peer address
+        // (of at most MAX_GONE_SENDERS senders that are gone).
         let mut seen = HashSet::new();
         let mut kept: Vec<Connection> = Vec::new();
         for conn in c.drain(..).rev() {
-            if !conn.region.is_closed() || seen.insert(conn.sender.clone()) {
+            if !conn.region.is_closed()
+                || (seen.len() < MAX_GONE_SENDERS && seen.insert(conn.sender.clone()))
+            {
                 kept.push(conn);
             }
         }
@@ -299,8 +315,15 @@ impl Listener for ObservedListener {
 /// How long after the listener started frames of a device no element asked for (yet) are held
 /// for it: elements of one pipeline start one after the other, and a sender may be quicker.
 const HOLD_WINDOW: Duration = Duration::from_secs(3);
-/// Frames held per (sender, device) meanwhile.
+/// Frames held per (sender, device) meanwhile, and (sender, device)s held for at most.
 const HOLD_FRAMES: usize = 8;
+const HOLD_STREAMS: usize = 64;
+/// Newest caps remembered for (sender, device)s at most, and the longest caps string kept:
+/// what peers send cannot grow the router without bound.
+const MAX_FORMATS: usize = 1024;
+const MAX_FORMAT_BYTES: usize = 64 * 1024;
+/// Senders no longer connected whose last address is remembered at most.
+const MAX_GONE_SENDERS: usize = 256;
 
 #[derive(Default)]
 struct RouterState {
@@ -321,6 +344,8 @@ pub struct Router {
     state: Mutex<RouterState>,
     table: Arc<SenderTable>,
     started: Instant,
+    /// Held frames are copies taken from the receiver's memory budget.
+    budget: Arc<Budget>,
 }
 
 impl Router {
@@ -427,45 +452,96 @@ impl Router {
 }
 
 impl FrameSink for Router {
-    fn handle(&self, key: &StreamKey, _counters: &Arc<DeviceCounters>, event: StreamEvent) {
+    fn handle(
+        &self,
+        key: &StreamKey,
+        session: u64,
+        _counters: &Arc<DeviceCounters>,
+        event: StreamEvent,
+    ) {
+        // Formats and ends of stream are handed on when queued; a frame when its element takes
+        // it (rdmasrc's create), or when it is deliberately dropped.
         let item = match event {
             StreamEvent::Frame(f) => Item::Frame(f),
-            StreamEvent::Format { descriptor, .. } => Item::Format(descriptor),
-            StreamEvent::EndOfStream { .. } => Item::EndOfStream,
+            StreamEvent::Format {
+                descriptor, ack, ..
+            } => {
+                rdmastream::proto::ack::settle(&ack);
+                Item::Format(descriptor)
+            }
+            StreamEvent::EndOfStream { ack, .. } => {
+                rdmastream::proto::ack::settle(&ack);
+                Item::EndOfStream
+            }
         };
         let (route, format) = {
             let mut s = self.state.lock().unwrap();
-            if let Item::Format(d) = &item {
-                s.formats.insert(key.clone(), d.clone());
+            if let Item::Format(d) = &item
+                && d.len() <= MAX_FORMAT_BYTES
+            {
+                if s.formats.len() >= MAX_FORMATS && !s.formats.contains_key(key) {
+                    let table = &self.table;
+                    s.formats.retain(|k, _| table.is_connected(&k.sender));
+                }
+                if s.formats.len() < MAX_FORMATS || s.formats.contains_key(key) {
+                    s.formats.insert(key.clone(), d.clone());
+                }
             }
             match self.pick(&mut s, key) {
                 Pick::Route(r, format) => (r, format),
                 Pick::Hold => {
-                    let held = s.held.entry(key.clone()).or_default();
+                    if s.held.len() >= HOLD_STREAMS && !s.held.contains_key(key) {
+                        tracing::debug!("{key}: too many streams held for elements; dropped");
+                        item.settle();
+                        return;
+                    }
                     let item = match item {
                         // Held frames are copied: a retained block must not wait for an element
-                        // that may never come.
+                        // that may never come. The copy comes out of the memory budget.
                         Item::Frame(mut f) => {
-                            f.data = f.data.to_vec().into();
+                            match rdmastream::proto::budget::reserved_copy(&self.budget, &f.data) {
+                                Some(copy) => f.data = copy,
+                                None => {
+                                    rdmastream::proto::ack::settle(&f.ack);
+                                    return;
+                                }
+                            }
                             Item::Frame(f)
                         }
                         other => other,
                     };
+                    let held = s.held.entry(key.clone()).or_default();
                     held.push_back(item);
                     let frames = held.iter().filter(|i| matches!(i, Item::Frame(_))).count();
                     if frames > HOLD_FRAMES
                         && let Some(pos) = held.iter().position(|i| matches!(i, Item::Frame(_)))
+                        && let Some(dropped) = held.remove(pos)
                     {
-                        held.remove(pos);
+                        dropped.settle();
                     }
                     return;
                 }
                 Pick::Drop => {
                     tracing::debug!("no rdmasrc receives {key}; dropped");
+                    item.settle();
                     return;
                 }
             }
         };
+        // A frame this element already had (sent again after a reconnect): drop it.
+        if let Item::Frame(f) = &item {
+            let mut last = route.last.lock().unwrap();
+            match &*last {
+                Some((sender, s, index))
+                    if *sender == key.sender && *s == session && f.index <= *index =>
+                {
+                    drop(last);
+                    item.settle();
+                    return;
+                }
+                _ => *last = Some((key.sender.clone(), session, f.index)),
+            }
+        }
         // Outside the router lock: this may wait for room.
         if let Some(f) = format {
             route.queue.push(Item::Format(f));
@@ -499,6 +575,8 @@ static RECEIVERS: LazyLock<Mutex<HashMap<ListenKey, Arc<SharedReceiver>>>> =
 pub struct RouteRequest<'a> {
     pub key: ListenKey,
     pub region: RegionSettings,
+    /// Reassembly memory and the largest frame accepted.
+    pub limits: Limits,
     pub verbs: VerbsSettings,
     pub element: &'a str,
     pub device: u8,
@@ -521,11 +599,12 @@ impl RouteLease {
             Some(s) => {
                 if s.settings.blocks != req.region.blocks
                     || s.settings.block_size != req.region.block_size
-                    || s.settings.token != req.region.token
+                    || s.settings.access.keys().is_anonymous()
+                        != req.region.access.keys().is_anonymous()
                 {
                     tracing::warn!(
-                        "{}: sharing the listener on {} with the blocks, block-size and \
-                         auth-token of the first element",
+                        "{}: sharing the listener on {} with the blocks, block-size, key and \
+                         limits of the first element",
                         req.element,
                         s.local_addr
                     );
@@ -544,13 +623,17 @@ impl RouteLease {
                     state: Mutex::new(RouterState::default()),
                     table: table.clone(),
                     started: Instant::now(),
+                    budget: req.limits.budget.clone(),
                 });
                 let listener = ObservedListener {
                     inner,
                     table: table.clone(),
                 };
                 let handle = ReceiverHandle::start(
-                    ReceiverOptions::default(),
+                    ReceiverOptions {
+                        limits: req.limits.clone(),
+                        ..ReceiverOptions::default()
+                    },
                     Box::new(listener),
                     router.clone(),
                 )
@@ -574,6 +657,7 @@ impl RouteLease {
             queue: FrameQueue::new(req.max_buffers, req.policy),
             current: Mutex::new(None),
             ignored: Mutex::new(HashSet::new()),
+            last: Mutex::new(None),
         });
         shared
             .router

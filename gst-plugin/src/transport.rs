@@ -128,3 +128,24 @@ pub fn join_host_port(host: &str, port: u32) -> String {
         format!("{host}:{port}")
     }
 }
+
+/// The key of an element, from its `key` or `key-file` property (the file's contents, trimmed).
+pub fn element_key(
+    key: Option<&str>,
+    key_file: Option<&str>,
+) -> Result<Option<rdmastream::proto::handshake::Key>, String> {
+    use rdmastream::proto::handshake::Key;
+    match (key, key_file) {
+        (Some(_), Some(_)) => Err("set key or key-file, not both".into()),
+        (Some(k), None) => Key::new(k.trim().as_bytes().to_vec())
+            .map(Some)
+            .map_err(|e| format!("key: {e}")),
+        (None, Some(path)) => {
+            let text = std::fs::read(path).map_err(|e| format!("key-file {path}: {e}"))?;
+            Key::new(text.trim_ascii().to_vec())
+                .map(Some)
+                .map_err(|e| format!("key-file {path}: {e}"))
+        }
+        (None, None) => Ok(None),
+    }
+}

@@ -49,10 +49,10 @@ transport = "tcp"
 out = "{out}"
 [[device]]
 id = 3
-pipeline = "filesink location={dir}/dev{{device}}-{{sender}}.raw"
+pipeline = "filesink location={dir}/dev{{device}}-{{sender}}-{{session}}.raw"
 [[device]]
 id = 4
-pipeline = "jpegdec ! videoconvert ! video/x-raw,format=I420 ! filesink location={dir}/dev{{device}}.yuv"
+pipeline = "jpegdec ! videoconvert ! video/x-raw,format=I420 ! filesink location={dir}/dev{{device}}-{{session}}.yuv"
 "#,
             out = d.join("out").display(),
             dir = d.display()
@@ -92,14 +92,52 @@ policy = "block"
     let tx = spawn(d, "sender", &["--config", sender_toml.to_str().unwrap()]);
     wait_success(tx, d, "sender");
     wait_success(rx, d, "receiver");
-    let got = std::fs::read(d.join("dev3-cams.raw")).unwrap();
+    let got = std::fs::read(only_file(d, "dev3-cams-", ".raw")).unwrap();
     assert!(
         got == std::fs::read(d.join("ref.raw")).unwrap(),
         "device 3 differs"
     );
     // The jpeg stream's caps reached the appsrc: jpegdec decoded every frame.
-    let yuv = std::fs::read(d.join("dev4.yuv")).unwrap();
+    let yuv = std::fs::read(only_file(d, "dev4-", ".yuv")).unwrap();
     assert_eq!(yuv.len(), 20 * 320 * 240 * 3 / 2);
+}
+
+/// The one file in `dir` named `<prefix><session stamp><suffix>`.
+fn only_file(dir: &std::path::Path, prefix: &str, suffix: &str) -> std::path::PathBuf {
+    let found: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with(prefix) && n.ends_with(suffix)
+        })
+        .collect();
+    assert_eq!(found.len(), 1, "{prefix}*{suffix}: {found:?}");
+    found.into_iter().next().unwrap()
+}
+
+/// A sink pipeline that writes a file must name it per stream ({session}): a later stream of
+/// the device would replace the earlier one's file.
+#[test]
+fn a_sink_pipeline_writing_a_file_without_session_is_a_config_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let toml = dir.path().join("receiver.toml");
+    std::fs::write(
+        &toml,
+        "listen = \"127.0.0.1:1\"\n[[device]]\nid = 3\npipeline = \"filesink location=dev{device}.raw\"\n",
+    )
+    .unwrap();
+    let out = Command::new(bin("receiver"))
+        .args(["--config", toml.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("device[0].pipeline") && text.contains("{session}"),
+        "{text}"
+    );
 }
 
 #[test]

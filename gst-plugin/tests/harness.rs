@@ -31,6 +31,10 @@ fn src_element(port: u16, device: u32, props: &[(&str, glib::Value)]) -> gst::El
     e.set_property("port", port as u32);
     e.set_property("device-id", device);
     e.set_property_from_str("transport", &transport());
+    e.set_property("address", host());
+    if let Some(k) = common::key() {
+        e.set_property("key", k);
+    }
     set(&e, props);
     e
 }
@@ -43,6 +47,9 @@ fn sink_element(port: u16, device: u32, props: &[(&str, glib::Value)]) -> gst::E
     e.set_property("port", port as u32);
     e.set_property("device-id", device);
     e.set_property("sync", false);
+    if let Some(k) = common::key() {
+        e.set_property("key", k);
+    }
     set(&e, props);
     e
 }
@@ -272,13 +279,13 @@ fn sources_choose_among_senders_by_name() {
 /// The sink posts an error naming the receiver; the source, which goes on serving other
 /// senders, posts a warning naming the refused peer and why.
 #[test]
-fn a_refused_token_is_an_error_naming_the_receiver() {
+fn a_refused_key_is_an_error_naming_the_receiver() {
     init();
     let port = free_port();
-    let rx_element = src_element(port, 0, &[("auth-token", "right".to_value())]);
+    let rx_element = src_element(port, 0, &[("key", "right-key-0123456789".to_value())]);
     let rx_bus = bus_of(&rx_element);
     let _rx = src_harness(&rx_element);
-    let e = sink_element(port, 0, &[("auth-token", "wrong".to_value())]);
+    let e = sink_element(port, 0, &[("key", "wrong-key-0123456789".to_value())]);
     let bus = bus_of(&e);
     let mut tx = sink_harness(&e, GRAY);
     wait_for("the sink to fail", || {
@@ -289,7 +296,7 @@ fn a_refused_token_is_an_error_naming_the_receiver() {
         .expect("an error message");
     let text = error_text(&msg);
     assert!(text.contains(&format!("{}:{port}", host())), "{text}");
-    assert!(text.contains("auth"), "{text}");
+    assert!(text.contains("authentication failed"), "{text}");
     let msg = rx_bus
         .timed_pop_filtered(
             gst::ClockTime::from_seconds(DEADLINE.as_secs()),
@@ -301,7 +308,7 @@ fn a_refused_token_is_an_error_naming_the_receiver() {
         text.contains("Refused a connection from") && text.contains(&host()),
         "{text}"
     );
-    assert!(text.contains("auth token"), "{text}");
+    assert!(text.contains("authentication failed"), "{text}");
 }
 
 #[test]
@@ -334,10 +341,12 @@ fn a_sender_that_goes_away_is_an_error_without_wait_for_sender() {
     let sender = SenderHandle::start(
         SenderOptions {
             name: "leaver".into(),
+            key: common::key().map(|k| rdmastream::proto::handshake::Key::new(k).unwrap()),
             ..Default::default()
         },
         Box::new(rdmastream::transport::tcp::TcpConnector::new(format!(
-            "127.0.0.1:{port}"
+            "{}:{port}",
+            host()
         ))),
         4,
     )
@@ -361,10 +370,7 @@ fn a_sender_that_goes_away_is_an_error_without_wait_for_sender() {
         )
         .expect("an error message");
     let text = error_text(&msg);
-    assert!(
-        text.contains("leaver") && text.contains("127.0.0.1"),
-        "{text}"
-    );
+    assert!(text.contains("leaver") && text.contains(&host()), "{text}");
 }
 
 #[test]

@@ -50,18 +50,25 @@ impl Launch {
     /// Starts `gst-launch-1.0 <pipeline>` with the plugin; output goes to `<dir>/<name>.log`.
     fn start(dir: &Path, name: &str, pipeline: &str) -> Launch {
         let env = plugin_env();
+        let key = common::key()
+            .map(|k| format!("key={k} "))
+            .unwrap_or_default();
         let pipeline = pipeline
             .replace(
                 "rdmasink ",
                 &format!(
-                    "rdmasink transport={} host={} ",
+                    "rdmasink transport={} host={} {key}",
                     common::transport(),
                     common::host()
                 ),
             )
             .replace(
                 "rdmasrc ",
-                &format!("rdmasrc transport={} ", common::transport()),
+                &format!(
+                    "rdmasrc transport={} address={} {key}",
+                    common::transport(),
+                    common::host()
+                ),
             );
         let pipeline = pipeline.as_str();
         let log = dir.join(format!("{name}.log"));

@@ -19,8 +19,9 @@ fn receiver_config(dir: &Path, it: &It, extra: &str) -> PathBuf {
         dir,
         "receiver.toml",
         &format!(
-            "transport = \"{}\"\n{blocks}\nformat = \"raw\"\nkeep = 0\nwriters = 2\n{extra}\n",
-            it.transport
+            "transport = \"{}\"\n{}{blocks}\nformat = \"raw\"\nkeep = 0\nwriters = 2\n{extra}\n",
+            it.transport,
+            it.key_line(extra)
         ),
     )
 }
@@ -31,9 +32,10 @@ fn sender_config(dir: &Path, it: &It, file: &str, name: &str, port: u16, devices
         dir,
         file,
         &format!(
-            "name = \"{name}\"\nreceiver = \"{}\"\ntransport = \"{}\"\nblock_size = {block}\nsend_blocks = 4\n{devices}",
+            "name = \"{name}\"\nreceiver = \"{}\"\ntransport = \"{}\"\nblock_size = {block}\nsend_blocks = 4\n{}{devices}",
             it.addr(port),
-            it.transport
+            it.transport,
+            it.key_line(devices)
         ),
     )
 }
@@ -303,7 +305,7 @@ fn two_senders_into_one_receiver() {
     }
 }
 
-/// Handshakes the receiver must refuse — garbage on its port, a wrong auth token — are logged with
+/// Handshakes the receiver must refuse — garbage on its port, a wrong key — are logged with
 /// the peer and refused without disturbing it; the refused sender exits with a message naming the
 /// receiver and the reason; a correct sender is served afterwards.
 #[test]
@@ -313,7 +315,7 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
     let tmp = tempfile::tempdir().unwrap();
     let port = free_port();
     let out = tmp.path().join("out");
-    let rx_cfg = receiver_config(tmp.path(), &it, "token = \"s3cret\"");
+    let rx_cfg = receiver_config(tmp.path(), &it, "key = \"s3cret-s3cret-s3cret\"");
     let listen = it.addr(port);
     let rx_log = tmp.path().join("rx.log");
     let mut rx = spawn(
@@ -338,7 +340,7 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
         String::from_utf8_lossy(&answer).contains("bad handshake"),
         "{answer:?}"
     );
-    // A wrong token.
+    // A wrong key.
     let devices = "[[device]]\nid = 0\nsource = \"radar-synthetic\"\nsize = 1000\nrate = 20\npolicy = \"block\"\nframes = 40\n";
     let bad = sender_config(
         tmp.path(),
@@ -346,7 +348,7 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
         "bad.toml",
         "intruder",
         port,
-        &format!("token = \"guess\"\n{devices}"),
+        &format!("key = \"guess-guess-guess-guess\"\n{devices}"),
     );
     let bad_log = tmp.path().join("bad.log");
     let mut s = spawn(
@@ -362,18 +364,19 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
     );
     let text = std::fs::read_to_string(&bad_log).unwrap();
     assert!(
-        text.contains(&format!("receiver {listen} refused")) && text.contains("auth token"),
+        text.contains(&format!("receiver {listen} refused"))
+            && text.contains("authentication failed"),
         "{}",
         tail(&bad_log)
     );
-    // The right token.
+    // The right key.
     let good = sender_config(
         tmp.path(),
         &it,
         "good.toml",
         "friend",
         port,
-        &format!("token = \"s3cret\"\n{devices}"),
+        &format!("key = \"s3cret-s3cret-s3cret\"\n{devices}"),
     );
     let good_log = tmp.path().join("good.log");
     let mut s = spawn(
@@ -389,7 +392,7 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
     );
     let rx_text = std::fs::read_to_string(&rx_log).unwrap();
     assert_eq!(
-        rx_text.matches("rejected connection").count(),
+        rx_text.matches("refused connection").count(),
         2,
         "{}",
         tail(&rx_log)
@@ -437,6 +440,19 @@ fn bad_config_names_file_key_and_reason() {
         ),
         ("receiver", "format = \"gif\"\n", "`format`"),
         ("receiver", "transport = \"infiniband\"\n", "`transport`"),
+        // Issue 7: no keys on a non-loopback address, a short key, a key file that is not there.
+        ("receiver", "listen = \"0.0.0.0:7471\"\n", "allow_anonymous"),
+        (
+            "receiver",
+            "[[sender]]\nname = \"edge-1\"\nkey = \"short\"\n",
+            "sender[0].key",
+        ),
+        (
+            "sender",
+            "name = \"a\"\nreceiver = \"x:1\"\nkey_file = \"missing.key\"\n[[device]]\nid = 0\nsource = \"radar-synthetic\"\n",
+            "missing.key",
+        ),
+        ("receiver", "memory_budget = \"1 MiB\"\n", "`memory_budget`"),
     ];
     for (n, (binary, text, key)) in cases.iter().enumerate() {
         let cfg = write(tmp.path(), &format!("{n}.toml"), text);
@@ -482,5 +498,9 @@ fn sender_without_receiver_stops_and_names_the_peer() {
         "{}",
         tail(&log)
     );
-    assert!(text.contains("could not be delivered"), "{}", tail(&log));
+    assert!(
+        text.contains(&format!("were not delivered to receiver {peer}")),
+        "{}",
+        tail(&log)
+    );
 }

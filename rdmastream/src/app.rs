@@ -46,7 +46,15 @@ impl ConfigError {
 pub fn load_toml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| ConfigError::new(path, "", format!("cannot read: {e}")))?;
-    toml::from_str(&text).map_err(|e| {
+    parse_toml(&text, path)
+}
+
+/// Deserializes TOML `text` read from `path` (named in errors).
+pub fn parse_toml<T: serde::de::DeserializeOwned>(
+    text: &str,
+    path: &Path,
+) -> Result<T, ConfigError> {
+    toml::from_str(text).map_err(|e| {
         let line = e.span().map(|s| text[..s.start].lines().count().max(1));
         let reason = e.message().to_string();
         let key = reason.split('`').nth(1).unwrap_or("").to_string();
@@ -108,5 +116,163 @@ pub fn every(interval: Duration, stop: &AtomicBool, mut tick: impl FnMut(Duratio
         std::thread::sleep(
             (next.saturating_duration_since(Instant::now())).min(Duration::from_millis(20)),
         );
+    }
+}
+
+/// A byte count in a config file: an integer, or a string with a unit (`"64 MiB"`, `"8 GiB"`,
+/// `"1.5 GB"`; KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB of 1000).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+impl ByteSize {
+    /// Parses `"<number> [unit]"`.
+    pub fn parse(text: &str) -> Result<ByteSize, String> {
+        let t = text.trim();
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
+        let (num, unit) = (t[..split].trim(), t[split..].trim());
+        let n: f64 = num
+            .parse()
+            .map_err(|_| format!("{text:?} is not a byte count like 64 MiB"))?;
+        let mult: f64 = match unit {
+            "" | "B" | "b" => 1.0,
+            "KiB" | "K" | "k" => 1024.0,
+            "MiB" | "M" => 1024.0 * 1024.0,
+            "GiB" | "G" => 1024.0 * 1024.0 * 1024.0,
+            "TiB" | "T" => 1024.0f64.powi(4),
+            "kB" | "KB" => 1e3,
+            "MB" => 1e6,
+            "GB" => 1e9,
+            "TB" => 1e12,
+            other => {
+                return Err(format!(
+                    "unknown unit {other:?} in {text:?} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)"
+                ));
+            }
+        };
+        let v = n * mult;
+        if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
+            return Err(format!("{text:?} is out of range"));
+        }
+        Ok(ByteSize(v.round() as u64))
+    }
+}
+
+impl std::fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let b = self.0;
+        for (unit, size) in [
+            ("TiB", 1u64 << 40),
+            ("GiB", 1 << 30),
+            ("MiB", 1 << 20),
+            ("KiB", 1 << 10),
+        ] {
+            if b >= size && b.is_multiple_of(size) {
+                return write!(f, "{} {unit}", b / size);
+            }
+            if b >= size {
+                return write!(f, "{:.1} {unit}", b as f64 / size as f64);
+            }
+        }
+        write!(f, "{b} B")
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = ByteSize;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a byte count: an integer or a string like \"64 MiB\"")
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ByteSize, E> {
+                u64::try_from(v)
+                    .map(ByteSize)
+                    .map_err(|_| E::custom(format!("{v} is negative")))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<ByteSize, E> {
+                Ok(ByteSize(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<ByteSize, E> {
+                ByteSize::parse(v).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A key given inline (`key`) or in a file (`key_file`, relative to the config file's
+/// directory), checked and read. `what` names the config table for messages (`""` for the top
+/// level, `"sender[2]."` for an entry).
+pub fn load_key(
+    file: &Path,
+    what: &str,
+    key: Option<&str>,
+    key_file: Option<&Path>,
+) -> Result<Option<crate::proto::handshake::Key>, ConfigError> {
+    use crate::proto::handshake::Key;
+    match (key, key_file) {
+        (Some(_), Some(_)) => Err(ConfigError::new(
+            file,
+            format!("{what}key"),
+            "give `key` or `key_file`, not both",
+        )),
+        (Some(k), None) => Key::new(k.trim().as_bytes().to_vec())
+            .map(Some)
+            .map_err(|e| ConfigError::new(file, format!("{what}key"), e)),
+        (None, Some(p)) => {
+            let path = if p.is_relative() {
+                file.parent().unwrap_or(Path::new(".")).join(p)
+            } else {
+                p.to_path_buf()
+            };
+            let text = std::fs::read(&path).map_err(|e| {
+                ConfigError::new(
+                    file,
+                    format!("{what}key_file"),
+                    format!("cannot read {}: {e}", path.display()),
+                )
+            })?;
+            let trimmed = text.trim_ascii();
+            Key::new(trimmed.to_vec()).map(Some).map_err(|e| {
+                ConfigError::new(
+                    file,
+                    format!("{what}key_file"),
+                    format!("{}: {e}", path.display()),
+                )
+            })
+        }
+        (None, None) => Ok(None),
+    }
+}
+
+/// True when every address `addr` (`host:port`) resolves to is a loopback address.
+pub fn is_loopback(addr: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    match addr.to_socket_addrs() {
+        Ok(mut it) => {
+            let all: Vec<_> = it.by_ref().collect();
+            !all.is_empty() && all.iter().all(|a| a.ip().is_loopback())
+        }
+        Err(_) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_sizes_parse_with_units() {
+        assert_eq!(ByteSize::parse("64 MiB"), Ok(ByteSize(64 << 20)));
+        assert_eq!(ByteSize::parse("1.5GB"), Ok(ByteSize(1_500_000_000)));
+        assert_eq!(ByteSize::parse("4096"), Ok(ByteSize(4096)));
+        assert!(ByteSize::parse("12 parsecs").is_err());
+        assert!(ByteSize::parse("-1 MiB").is_err());
+        assert_eq!(ByteSize(8 << 30).to_string(), "8 GiB");
+        assert!(is_loopback("127.0.0.1:7471") && is_loopback("[::1]:1"));
+        assert!(!is_loopback("0.0.0.0:7471"));
     }
 }

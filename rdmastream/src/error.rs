@@ -16,6 +16,10 @@ pub enum Error {
     /// The receiver answered the handshake with a refusal.
     #[error("receiver {peer} refused the connection: {reason}")]
     Refused { peer: String, reason: String },
+    /// Keys do not fit: the receiver asks for one this side lacks, or cannot prove it knows
+    /// this side's. Retrying cannot help.
+    #[error("authenticating with {peer} failed: {reason}")]
+    Auth { peer: String, reason: String },
     /// An established connection broke.
     #[error("connection to {peer} lost: {reason}")]
     Disconnected { peer: String, reason: String },

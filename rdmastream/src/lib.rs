@@ -9,6 +9,7 @@
 #![deny(unsafe_code)]
 
 pub mod error;
+pub mod logsafe;
 pub mod proto;
 pub mod transport;
 
@@ -16,6 +17,7 @@ pub mod transport;
 pub use bytes;
 pub use error::{Error, Result};
 pub mod app;
+pub mod config;
 pub mod engine;
 pub mod sim;
 pub mod sink;

@@ -167,6 +167,7 @@ fn deliver(
     let packet = Packet {
         header: h,
         payload: bytes::Bytes::copy_from_slice(p),
+        ack: None,
     };
     let pos = match streams.iter().position(|(d, _)| *d == h.device) {
         Some(p) => p,
@@ -471,7 +472,7 @@ pub fn run(cfg: &SimConfig, limit: Duration) -> SimReport {
                 &data[fragment_range(k, data.len(), cfg.block_size)],
                 &mut send_mem[b],
             );
-            machine.handle_filled(b, used);
+            machine.handle_filled(b, used, crate::proto::Delivery::Unconfirmed);
         }
 
         // Sending thread.

@@ -102,6 +102,20 @@ pub struct DeviceCounters {
     pub mismatched: AtomicU64,
     /// Set once the device's end of stream passed.
     pub ended: AtomicU64,
+    /// Receiver: frames durably handed on (files renamed into place, buffers pushed).
+    pub written: AtomicU64,
+    /// Receiver: frames that arrived again after a reconnect or restart and were already
+    /// handed on (dropped, not written twice).
+    pub duplicates: AtomicU64,
+    /// Receiver: frame indices of a lossless device that never arrived (an error).
+    pub missing: AtomicU64,
+    /// Receiver: failed attempts to hand a frame on (disk full, permissions, I/O errors).
+    pub write_errors: AtomicU64,
+    /// Receiver: frames that could not be handed on and were given up (a lossy device's frame
+    /// after a failed write, or a lossless one still failing when the receiver stopped).
+    pub unwritten: AtomicU64,
+    /// Set when the device is lossless (`block`).
+    pub reliable: AtomicU64,
     latency: Mutex<Histogram>,
     /// Frames handed on or dropped so far, for [`DeviceCounters::wait_progress`].
     progress: Mutex<u64>,
@@ -223,8 +237,17 @@ impl<K: Ord + Clone + std::fmt::Display> StatusLine<K> {
             tb += b;
             td += now.2;
             tg += now.3;
+            let faults = [
+                ("missing", get(&c.missing)),
+                ("write-errors", get(&c.write_errors)),
+                ("unwritten", get(&c.unwritten)),
+            ]
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(k, n)| format!(" {k} {n}"))
+            .collect::<String>();
             parts.push(format!(
-                "{key}: {:.1}fps {:.1}MB/s drop {} gap {} p50/p99 {}/{}ms",
+                "{key}: {:.1}fps {:.1}MB/s drop {} gap {}{faults} p50/p99 {}/{}ms",
                 f as f64 / secs,
                 b as f64 / secs / 1e6,
                 now.2,

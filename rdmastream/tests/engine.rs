@@ -8,20 +8,29 @@ use std::time::{Duration, Instant};
 use rdmastream::engine::{
     DropPolicy, ReceiverHandle, ReceiverOptions, SenderHandle, SenderOptions,
 };
+use rdmastream::proto::Budget;
+use rdmastream::proto::handshake::Key;
 use rdmastream::proto::status;
 use rdmastream::sink::{DirectorySink, DirectorySinkOptions};
 use rdmastream::source::{Producer, SourceKind};
 use rdmastream::stats::get;
 use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{self, TcpConnector};
-use rdmastream::transport::{Connector, Listener, RegionSettings};
+use rdmastream::transport::{AccessControl, Connector, Keys, Listener, RegionSettings};
+
+/// The key every test sender proves it knows, and the receivers require.
+fn key() -> Key {
+    Key::new(b"engine-test-key-0123".to_vec()).unwrap()
+}
 
 fn settings(blocks: usize, block_size: usize, reserved: Vec<usize>) -> RegionSettings {
     RegionSettings {
         blocks,
         block_size,
-        token: "t0k".into(),
         reserved_blocks: reserved,
+        access: AccessControl::new(Keys::shared(key()), 64, Budget::unlimited()),
+        reassembly: 64 << 20,
+        peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
     }
 }
 
@@ -53,13 +62,14 @@ fn run_session(
             verify: true,
             writers: 2,
             queue: 8,
+            disk_budget: None,
         })
         .unwrap(),
     );
     let receiver = ReceiverHandle::start(ReceiverOptions::default(), listener, sink).unwrap();
     let opts = SenderOptions {
         name: "edge-a".into(),
-        token: "t0k".into(),
+        key: Some(key()),
         send_blocks: 4,
         block_size,
         ..Default::default()
@@ -122,6 +132,13 @@ fn run_session(
     }
     let files = std::fs::read_dir(dir.path().join("edge-a/device-003"))
         .unwrap()
+        .filter(|e| {
+            !e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with('.')
+        })
         .count();
     assert_eq!(files as u64, frames);
     let first = std::fs::read(dir.path().join("edge-a/device-200/00000000.raw")).unwrap();
@@ -164,9 +181,12 @@ impl rdmastream::engine::FrameSink for Collect {
     fn handle(
         &self,
         key: &rdmastream::engine::StreamKey,
+        _: u64,
         _: &Arc<rdmastream::stats::DeviceCounters>,
         event: rdmastream::proto::StreamEvent,
     ) {
+        // Handed on as soon as it is here: lossless devices' blocks may be freed.
+        rdmastream::proto::ack::settle(event.ack());
         if let rdmastream::proto::StreamEvent::Frame(f) = event {
             self.frames.lock().unwrap().push((
                 key.sender.clone(),
@@ -204,7 +224,7 @@ fn two_senders_into_one_receiver_each_get_their_own_region_and_output() {
     for name in ["edge-a", "edge-b"] {
         let opts = SenderOptions {
             name: name.into(),
-            token: "t0k".into(),
+            key: Some(key()),
             send_blocks: 3,
             block_size: 8192,
             ..Default::default()
@@ -240,7 +260,7 @@ fn two_senders_into_one_receiver_each_get_their_own_region_and_output() {
 }
 
 #[test]
-fn wrong_token_is_refused_with_the_reason() {
+fn a_wrong_key_is_refused_with_the_reason() {
     let listener = tcp::listen("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
     let addr = listener.local_addr();
     let receiver = ReceiverHandle::start(
@@ -251,7 +271,7 @@ fn wrong_token_is_refused_with_the_reason() {
     .unwrap();
     let opts = SenderOptions {
         name: "intruder".into(),
-        token: "wrong".into(),
+        key: Some(Key::new(b"not-the-engine-test-key".to_vec()).unwrap()),
         block_size: 8192,
         ..Default::default()
     };
@@ -261,7 +281,7 @@ fn wrong_token_is_refused_with_the_reason() {
     drop(input);
     let err = s.finish(Duration::from_secs(10)).unwrap_err().to_string();
     assert!(
-        err.contains("refused") && err.contains("auth token") && err.contains(&addr),
+        err.contains("refused") && err.contains("authentication failed") && err.contains(&addr),
         "{err}"
     );
     // The sender gives up after the first refusal; the receiver counted it.
@@ -283,7 +303,7 @@ fn images_source_streams_the_shipped_assets() {
             .unwrap();
     let opts = SenderOptions {
         name: "img".into(),
-        token: "t0k".into(),
+        key: Some(key()),
         block_size: 1 << 16,
         ..Default::default()
     };
@@ -332,7 +352,7 @@ fn raw_hello(sender: &str) -> rdmastream::proto::handshake::Hello {
     rdmastream::proto::handshake::Hello {
         version: rdmastream::proto::handshake::PROTOCOL_VERSION,
         sender: sender.into(),
-        token: "t0k".into(),
+        nonce: [0; 32],
         session: 9,
         data_path: rdmastream::proto::handshake::DataPath::Tcp,
         qp: Default::default(),
@@ -394,7 +414,7 @@ fn an_end_of_stream_released_by_the_reorder_timeout_ends_the_device() {
     let blocks = SendBlocks::new(1, 256);
     let mut conn = fabric
         .connector("rx")
-        .connect(&raw_hello("lossy"), &blocks)
+        .connect(&raw_hello("lossy"), Some(&key()), &blocks)
         .unwrap();
     let header = |packet: u16, flags: u8, frame_index: u64, len: u32| BlockHeader {
         device: 3,
@@ -446,7 +466,7 @@ fn invalid_blocks_are_counted_freed_and_survived() {
     blocks.fill(0, |b| b.fill(0xAB));
     let mut conn = fabric
         .connector("rx")
-        .connect(&raw_hello("evil"), &blocks)
+        .connect(&raw_hello("evil"), Some(&key()), &blocks)
         .unwrap();
     // A well-formed block for device 200 (> max_device 10), then garbage, into blocks 0 and 1.
     let h = rdmastream::proto::BlockHeader {
@@ -514,9 +534,11 @@ fn a_sink_holding_every_frame_does_not_starve_the_sender() {
         fn handle(
             &self,
             _: &rdmastream::engine::StreamKey,
+            _: u64,
             _: &Arc<rdmastream::stats::DeviceCounters>,
             event: rdmastream::proto::StreamEvent,
         ) {
+            rdmastream::proto::ack::settle(event.ack());
             if let rdmastream::proto::StreamEvent::Frame(f) = event {
                 self.0.lock().unwrap().push(f.data);
             }
@@ -530,7 +552,7 @@ fn a_sink_holding_every_frame_does_not_starve_the_sender() {
             .unwrap();
     let opts = SenderOptions {
         name: "h".into(),
-        token: "t0k".into(),
+        key: Some(key()),
         send_blocks: 2,
         block_size: 4096,
         ..Default::default()
@@ -574,9 +596,11 @@ impl rdmastream::engine::FrameSink for Events {
     fn handle(
         &self,
         key: &rdmastream::engine::StreamKey,
+        _: u64,
         _: &Arc<rdmastream::stats::DeviceCounters>,
         event: rdmastream::proto::StreamEvent,
     ) {
+        rdmastream::proto::ack::settle(event.ack());
         use rdmastream::proto::StreamEvent as E;
         let what = match event {
             E::Format { .. } => "format".to_string(),
@@ -600,7 +624,7 @@ fn a_sender_with_smaller_blocks_than_the_receiver_writes_at_the_receivers_offset
             .unwrap();
     let opts = SenderOptions {
         name: "small".into(),
-        token: "t0k".into(),
+        key: Some(key()),
         send_blocks: 2,
         block_size: 4096,
         ..Default::default()
@@ -634,7 +658,7 @@ fn a_device_that_ends_and_comes_back_carries_on_numbering() {
             .unwrap();
     let opts = SenderOptions {
         name: "again".into(),
-        token: "t0k".into(),
+        key: Some(key()),
         send_blocks: 2,
         block_size: 4096,
         ..Default::default()
@@ -683,7 +707,7 @@ fn a_new_receiver_gets_the_format_again_after_a_reconnect() {
     .unwrap();
     let opts = SenderOptions {
         name: "moving".into(),
-        token: "t0k".into(),
+        key: Some(key()),
         send_blocks: 2,
         block_size: 8192,
         reconnect_min: Duration::from_millis(20),
@@ -764,33 +788,59 @@ fn a_dropped_listener_frees_its_address_at_once() {
     knocker.join().unwrap();
 }
 
-/// Idle connections that never say Hello hold a handshake thread each, up to a bound: beyond it
-/// connections are closed at once and reported as refusals; once the idle ones go away, a real
-/// sender gets in.
+/// A TCP connection to `addr` from the loopback address `from` (any 127.0.0.0/8 address is
+/// local on Linux): lets one test be several remote machines.
+fn connect_from(from: &str, addr: &str) -> std::net::TcpStream {
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    let local: std::net::SocketAddr = format!("{from}:0").parse().unwrap();
+    sock.bind(&local.into()).unwrap();
+    let remote: std::net::SocketAddr = addr.parse().unwrap();
+    sock.connect(&remote.into()).unwrap();
+    sock.into()
+}
+
+/// Idle connections that never say Hello hold a handshake thread each, up to a bound per remote
+/// address (4) and in all (64): beyond it connections are closed at once and reported as
+/// refusals. One machine trickling handshakes does not lock out another, and once the idle ones
+/// go away a sender from anywhere gets in.
 #[test]
 fn a_flood_of_idle_connections_is_bounded_and_does_not_lock_senders_out() {
     let mut listener = tcp::listen("127.0.0.1:0", settings(2, 4096, vec![])).unwrap();
     let addr = listener.local_addr();
-    let idle: Vec<std::net::TcpStream> = (0..64)
-        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
-        .collect();
-    let mut extra = Vec::new();
     let mut refusals = Vec::new();
-    assert!(
-        wait_until(Duration::from_secs(20), || {
-            extra.push(std::net::TcpStream::connect(&addr).unwrap());
-            refusals.extend(listener.refusals());
-            refusals
-                .iter()
-                .any(|r| r.why.contains("handshakes already in progress"))
-        }),
-        "no connection was turned away: {refusals:?}"
-    );
-    drop(idle);
+    let mut turned_away =
+        |listener: &mut dyn Listener, what: &str, connect: &dyn Fn() -> std::net::TcpStream| {
+            let mut extra = Vec::new();
+            let found = wait_until(Duration::from_secs(20), || {
+                extra.push(connect());
+                refusals.extend(listener.refusals());
+                refusals.iter().any(|r| r.why.contains(what))
+            });
+            assert!(
+                found,
+                "no connection was turned away with {what:?}: {refusals:?}"
+            );
+            extra
+        };
+    // One address: its fifth handshake is turned away.
+    let one: Vec<_> = (0..4).map(|_| connect_from("127.0.0.2", &addr)).collect();
+    let extra = turned_away(&mut listener, "4 handshakes from 127.0.0.2", &|| {
+        connect_from("127.0.0.2", &addr)
+    });
+    drop(extra);
+    drop(one);
+    // Sixteen addresses with four each: every slot is taken.
+    let many: Vec<_> = (0..64)
+        .map(|i| connect_from(&format!("127.0.1.{}", i / 4 + 1), &addr))
+        .collect();
+    let extra = turned_away(&mut listener, "64 handshakes already in progress", &|| {
+        connect_from("127.0.2.1", &addr)
+    });
+    drop(many);
     drop(extra);
     let opts = SenderOptions {
         name: "after-flood".into(),
-        token: "t0k".into(),
+        key: Some(key()),
         block_size: 4096,
         ..Default::default()
     };

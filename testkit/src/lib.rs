@@ -4,6 +4,8 @@
 //! Deadlines here exist so that a hang fails a test instead of stalling CI; they are generous
 //! and never meant to fail a slow machine.
 
+pub mod hostile;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -54,7 +54,8 @@ struct Settings {
     rdma_device: Option<String>,
     ib_port: u32,
     gid_index: i32,
-    auth_token: Option<String>,
+    key: Option<String>,
+    key_file: Option<String>,
     sender_name: Option<String>,
     drop_policy: DropPolicy,
     reconnect: bool,
@@ -72,7 +73,8 @@ impl Default for Settings {
             rdma_device: None,
             ib_port: DEFAULT_IB_PORT,
             gid_index: DEFAULT_GID_INDEX,
-            auth_token: None,
+            key: None,
+            key_file: None,
             sender_name: None,
             drop_policy: DEFAULT_DROP_POLICY,
             reconnect: DEFAULT_RECONNECT,
@@ -325,9 +327,14 @@ impl ObjectImpl for RdmaSink {
                     .default_value(DEFAULT_GID_INDEX)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecString::builder("auth-token")
-                    .nick("Auth token")
-                    .blurb("Shared secret the receiver requires, if it has one")
+                glib::ParamSpecString::builder("key")
+                    .nick("Key")
+                    .blurb("This sender's key (at least 16 bytes; the receiver lists it for sender-name): both ends prove they know it, it never crosses the wire. NULL: the receiver must be anonymous")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("key-file")
+                    .nick("Key file")
+                    .blurb("File holding this sender's key (instead of key)")
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecString::builder("sender-name")
@@ -373,7 +380,8 @@ impl ObjectImpl for RdmaSink {
             "rdma-device" => s.rdma_device = value.get().expect("type checked upstream"),
             "ib-port" => s.ib_port = value.get().expect("type checked upstream"),
             "gid-index" => s.gid_index = value.get().expect("type checked upstream"),
-            "auth-token" => s.auth_token = value.get().expect("type checked upstream"),
+            "key" => s.key = value.get().expect("type checked upstream"),
+            "key-file" => s.key_file = value.get().expect("type checked upstream"),
             "sender-name" => s.sender_name = value.get().expect("type checked upstream"),
             "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
             "reconnect" => s.reconnect = value.get().expect("type checked upstream"),
@@ -393,7 +401,9 @@ impl ObjectImpl for RdmaSink {
             "rdma-device" => s.rdma_device.to_value(),
             "ib-port" => s.ib_port.to_value(),
             "gid-index" => s.gid_index.to_value(),
-            "auth-token" => s.auth_token.to_value(),
+            // A key is write-only: reading it back gives NULL.
+            "key" => None::<String>.to_value(),
+            "key-file" => s.key_file.to_value(),
             "sender-name" => s.sender_name.to_value(),
             "drop-policy" => s.drop_policy.to_value(),
             "reconnect" => s.reconnect.to_value(),
@@ -465,13 +475,9 @@ impl BaseSinkImpl for RdmaSink {
                 ("sender-name {name:?} is not 1-64 characters of A-Z a-z 0-9 . _ -")
             ));
         }
-        let token = settings.auth_token.clone().unwrap_or_default();
-        if token.len() > 255 {
-            return Err(gst::error_msg!(
-                gst::ResourceError::Settings,
-                ("auth-token is longer than 255 bytes")
-            ));
-        }
+        let key =
+            crate::transport::element_key(settings.key.as_deref(), settings.key_file.as_deref())
+                .map_err(|e| gst::error_msg!(gst::ResourceError::Settings, ("{e}")))?;
         let peer = join_host_port(&settings.host, settings.port);
         let element = self.obj().name().to_string();
         let lease = DeviceLease::acquire(LeaseRequest {
@@ -482,7 +488,7 @@ impl BaseSinkImpl for RdmaSink {
             },
             opts: SenderOptions {
                 name: String::new(),
-                token,
+                key,
                 send_blocks: settings.blocks as usize,
                 block_size: settings.block_size as usize,
                 ..Default::default()

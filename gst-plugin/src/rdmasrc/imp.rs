@@ -10,7 +10,8 @@ use gst_base::subclass::base_src::CreateSuccess;
 use gst_base::subclass::prelude::*;
 
 use rdmastream::proto::Frame;
-use rdmastream::transport::RegionSettings;
+use rdmastream::proto::{Budget, Limits};
+use rdmastream::transport::{AccessControl, Keys, RegionSettings};
 
 use super::TimestampMode;
 use crate::route::{Item, ListenKey, Popped, Route, RouteLease, RouteRequest, SenderTable};
@@ -24,7 +25,7 @@ static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     )
 });
 
-const DEFAULT_ADDRESS: &str = "0.0.0.0";
+const DEFAULT_ADDRESS: &str = "127.0.0.1";
 const DEFAULT_PORT: u32 = 7471;
 const DEFAULT_TRANSPORT: Transport = Transport::Auto;
 const DEFAULT_DEVICE_ID: u32 = 0;
@@ -37,6 +38,9 @@ const DEFAULT_LATENCY_MS: u32 = 0;
 const DEFAULT_MAX_BUFFERS: u32 = 8;
 const DEFAULT_DROP_POLICY: DropPolicy = DropPolicy::Block;
 const DEFAULT_WAIT_FOR_SENDER: bool = true;
+const DEFAULT_MAX_SENDERS: u32 = 16;
+const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
+const DEFAULT_MAX_FRAME_BYTES: u64 = 16 << 20;
 
 /// How often a waiting `create` looks at whether its sender is still connected.
 const IDLE_CHECK: Duration = Duration::from_millis(50);
@@ -56,7 +60,12 @@ struct Settings {
     rdma_device: Option<String>,
     ib_port: u32,
     gid_index: i32,
-    auth_token: Option<String>,
+    key: Option<String>,
+    key_file: Option<String>,
+    allow_anonymous: bool,
+    max_senders: u32,
+    memory_budget: u64,
+    max_frame_bytes: u64,
     timestamp_mode: TimestampMode,
     latency_ms: u32,
     max_buffers: u32,
@@ -77,7 +86,12 @@ impl Default for Settings {
             rdma_device: None,
             ib_port: DEFAULT_IB_PORT,
             gid_index: DEFAULT_GID_INDEX,
-            auth_token: None,
+            key: None,
+            key_file: None,
+            allow_anonymous: false,
+            max_senders: DEFAULT_MAX_SENDERS,
+            memory_budget: DEFAULT_MEMORY_BUDGET,
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             timestamp_mode: DEFAULT_TIMESTAMP_MODE,
             latency_ms: DEFAULT_LATENCY_MS,
             max_buffers: DEFAULT_MAX_BUFFERS,
@@ -387,7 +401,7 @@ impl ObjectImpl for RdmaSrc {
                     .build(),
                 glib::ParamSpecUInt::builder("block-size")
                     .nick("Block size")
-                    .blurb("Bytes per memory block including the 52-byte header and trailer; senders' block-size must not exceed it")
+                    .blurb("Bytes per memory block including the 60-byte header and trailer; senders' block-size must not exceed it")
                     .minimum(rdmastream::proto::OVERHEAD as u32 + 1)
                     .maximum(1 << 30)
                     .default_value(DEFAULT_BLOCK_SIZE)
@@ -414,9 +428,43 @@ impl ObjectImpl for RdmaSrc {
                     .default_value(DEFAULT_GID_INDEX)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecString::builder("auth-token")
-                    .nick("Auth token")
-                    .blurb("Shared secret senders must present; NULL accepts any sender")
+                glib::ParamSpecString::builder("key")
+                    .nick("Key")
+                    .blurb("Key every sender must prove it knows (at least 16 bytes; it never crosses the wire). NULL: anonymous, which only a loopback address allows unless allow-anonymous is set")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecString::builder("key-file")
+                    .nick("Key file")
+                    .blurb("File holding the key (instead of key)")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecBoolean::builder("allow-anonymous")
+                    .nick("Allow anonymous")
+                    .blurb("Accept senders without a key on a non-loopback address (anyone who can reach it may stream)")
+                    .default_value(false)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt::builder("max-senders")
+                    .nick("Max senders")
+                    .blurb("Senders connected at once at most (set by the first source sharing the listener)")
+                    .minimum(1)
+                    .maximum(4096)
+                    .default_value(DEFAULT_MAX_SENDERS)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt64::builder("memory-budget")
+                    .nick("Memory budget")
+                    .blurb("Bytes of memory for senders at most: each connected sender takes its region (blocks x block-size) plus its reassembly share (the region again plus 2 x max-frame-bytes); set by the first source sharing the listener")
+                    .minimum(1 << 20)
+                    .default_value(DEFAULT_MEMORY_BUDGET)
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecUInt64::builder("max-frame-bytes")
+                    .nick("Max frame bytes")
+                    .blurb("Largest frame accepted; larger ones are dropped and counted (set by the first source sharing the listener)")
+                    .minimum(1)
+                    .maximum(u32::MAX as u64)
+                    .default_value(DEFAULT_MAX_FRAME_BYTES)
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("timestamp-mode", DEFAULT_TIMESTAMP_MODE)
@@ -478,7 +526,12 @@ impl ObjectImpl for RdmaSrc {
             "rdma-device" => s.rdma_device = value.get().expect("type checked upstream"),
             "ib-port" => s.ib_port = value.get().expect("type checked upstream"),
             "gid-index" => s.gid_index = value.get().expect("type checked upstream"),
-            "auth-token" => s.auth_token = value.get().expect("type checked upstream"),
+            "key" => s.key = value.get().expect("type checked upstream"),
+            "key-file" => s.key_file = value.get().expect("type checked upstream"),
+            "allow-anonymous" => s.allow_anonymous = value.get().expect("type checked upstream"),
+            "max-senders" => s.max_senders = value.get().expect("type checked upstream"),
+            "memory-budget" => s.memory_budget = value.get().expect("type checked upstream"),
+            "max-frame-bytes" => s.max_frame_bytes = value.get().expect("type checked upstream"),
             "timestamp-mode" => s.timestamp_mode = value.get().expect("type checked upstream"),
             "latency" => s.latency_ms = value.get().expect("type checked upstream"),
             "max-buffers" => s.max_buffers = value.get().expect("type checked upstream"),
@@ -501,7 +554,12 @@ impl ObjectImpl for RdmaSrc {
             "rdma-device" => s.rdma_device.to_value(),
             "ib-port" => s.ib_port.to_value(),
             "gid-index" => s.gid_index.to_value(),
-            "auth-token" => s.auth_token.to_value(),
+            "key" => None::<String>.to_value(),
+            "key-file" => s.key_file.to_value(),
+            "allow-anonymous" => s.allow_anonymous.to_value(),
+            "max-senders" => s.max_senders.to_value(),
+            "memory-budget" => s.memory_budget.to_value(),
+            "max-frame-bytes" => s.max_frame_bytes.to_value(),
             "timestamp-mode" => s.timestamp_mode.to_value(),
             "latency" => s.latency_ms.to_value(),
             "max-buffers" => s.max_buffers.to_value(),
@@ -583,6 +641,22 @@ impl BaseSrcImpl for RdmaSrc {
             ));
         }
         let addr = join_host_port(&settings.address, settings.port);
+        let key =
+            crate::transport::element_key(settings.key.as_deref(), settings.key_file.as_deref())
+                .map_err(|e| gst::error_msg!(gst::ResourceError::Settings, ("{e}")))?;
+        if key.is_none() && !settings.allow_anonymous && !rdmastream::app::is_loopback(&addr) {
+            return Err(gst::error_msg!(
+                gst::ResourceError::Settings,
+                (
+                    "address {} is not a loopback address and no key is set, so anyone who can \
+                     reach it could stream here: set key-file (make one with `openssl rand -hex \
+                     32`) and give the same key to the senders, or set allow-anonymous=true",
+                    settings.address
+                )
+            ));
+        }
+        let budget = Budget::new(usize::try_from(settings.memory_budget).unwrap_or(usize::MAX));
+        let keys = key.map_or_else(Keys::anonymous, Keys::shared);
         let element = self.obj().name().to_string();
         let lease = RouteLease::acquire(RouteRequest {
             key: ListenKey {
@@ -592,8 +666,18 @@ impl BaseSrcImpl for RdmaSrc {
             region: RegionSettings {
                 blocks: settings.blocks as usize,
                 block_size: settings.block_size as usize,
-                token: settings.auth_token.clone().unwrap_or_default(),
                 reserved_blocks: Vec::new(),
+                access: AccessControl::new(keys, settings.max_senders as usize, budget.clone()),
+                reassembly: RegionSettings::reassembly_for(
+                    settings.blocks as usize,
+                    settings.block_size as usize,
+                    settings.max_frame_bytes as usize,
+                ),
+                peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+            },
+            limits: Limits {
+                budget,
+                max_message: settings.max_frame_bytes as usize,
             },
             verbs: VerbsSettings {
                 device: settings.rdma_device.clone(),
@@ -702,7 +786,12 @@ impl PushSrcImpl for RdmaSrc {
                     return Err(gst::FlowError::Eos);
                 }
                 Popped::Item(Item::Frame(frame)) => {
-                    if let Some(buffer) = self.frame_buffer(frame)? {
+                    // Handed into the pipeline (or dropped here on purpose): a lossless frame's
+                    // block may go back to the sender once the buffer lets go of it.
+                    let ack = frame.ack.clone();
+                    let buffer = self.frame_buffer(frame);
+                    rdmastream::proto::ack::settle(&ack);
+                    if let Some(buffer) = buffer? {
                         return Ok(CreateSuccess::NewBuffer(buffer));
                     }
                 }

@@ -33,7 +33,7 @@
 //!
 //! ## A sender that is refused
 //!
-//! A connection the shared listener turns away (wrong `auth-token`, wrong transport, a malformed
+//! A connection the shared listener turns away (wrong or missing `key`, wrong transport, a malformed
 //! handshake) is a warning message on every `rdmasrc` of that listener, naming the peer's address
 //! and the reason. It is not an error: the other senders keep streaming.
 

@@ -29,3 +29,12 @@ pub fn transport() -> String {
 pub fn host() -> String {
     std::env::var("RDMASTREAM_TEST_HOST").unwrap_or_else(|_| "127.0.0.1".into())
 }
+
+/// The key both ends use when [`host`] is not loopback (in the Soft-RoCE VM): the elements refuse
+/// to listen on a non-loopback address without one.
+pub const TEST_KEY: &str = "test-key-0123456789abcdef";
+
+/// `Some(TEST_KEY)` when [`host`] is not loopback.
+pub fn key() -> Option<&'static str> {
+    (!rdmastream::app::is_loopback(&host())).then_some(TEST_KEY)
+}

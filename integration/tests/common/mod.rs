@@ -25,13 +25,27 @@ pub fn it() -> It {
     }
 }
 
+/// The key both ends use when the host is not loopback (in the Soft-RoCE VM): the receiver
+/// refuses to listen on a non-loopback address without keys.
+pub const TEST_KEY: &str = "test-key-0123456789abcdef";
+
 impl It {
+    /// A `key = ...` line for a config file when the host is not loopback, else nothing.
+    pub fn key_line(&self, already: &str) -> String {
+        if rdmastream::app::is_loopback(&self.host) || already.contains("key =") {
+            String::new()
+        } else {
+            format!("key = \"{TEST_KEY}\"\n")
+        }
+    }
+
     /// `host:port` on the test host.
     pub fn addr(&self, port: u16) -> String {
         format!("{}:{port}", self.host)
     }
 }
 
+#[allow(unused_imports)]
 pub use rdmastream_testkit::{bin, exits_ok, free_port, spawn, tail, wait, wait_for};
 
 /// Frame indices of the files in `dir` (sorted), ignoring temporaries.

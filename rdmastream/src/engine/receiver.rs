@@ -15,11 +15,11 @@ use crate::error::{Result, spawn};
 use bytes::Bytes;
 
 use crate::proto::{
-    BlockError, BlockHeader, BlockScanner, DeviceStream, HEADER_LEN, Packet, ReorderConfig,
-    StreamEvent,
+    BlockError, BlockHeader, BlockScanner, Budget, DeviceStream, HEADER_LEN, Limits, Packet,
+    ReorderConfig, StreamEvent,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
-use crate::transport::{Accepted, Listener, Region};
+use crate::transport::{Accepted, Listener, RefusalKind, Region};
 
 /// A device of a sender: what the receiver's output and stats are keyed by.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -36,9 +36,20 @@ impl std::fmt::Display for StreamKey {
 
 /// Where complete frames go.
 pub trait FrameSink: Send + Sync {
-    /// One event of one device, in order. May block (back-pressure: blocks stay full and the
-    /// sender waits or drops at its sources).
-    fn handle(&self, key: &StreamKey, counters: &Arc<DeviceCounters>, event: StreamEvent);
+    /// One event of one device, in order. `session` is the sender process's random session id:
+    /// a new one means a new stream of frames (a restarted sender), whose files must not replace
+    /// the earlier ones. May block (back-pressure: blocks stay full and the sender waits or
+    /// drops at its sources).
+    fn handle(
+        &self,
+        key: &StreamKey,
+        session: u64,
+        counters: &Arc<DeviceCounters>,
+        event: StreamEvent,
+    );
+    /// The receiver is stopping: stop retrying what keeps failing (what cannot be handed on now
+    /// is given up, counted, and — for lossless devices — left unconfirmed, so the sender keeps it).
+    fn stopping(&self) {}
     /// Waits until everything handed over is done (files written).
     fn flush(&self) {}
 }
@@ -49,9 +60,15 @@ pub struct ReceiverOptions {
     /// Highest device number accepted; blocks from others are invalid.
     pub max_device: u8,
     pub reorder: ReorderConfig,
+    /// Memory for reassembly and copied payloads (the same budget regions come from), and the
+    /// largest message accepted.
+    pub limits: Limits,
     /// Sleep between status scans when idle: starts at `poll_min`, doubles up to `poll_max`.
     pub poll_min: Duration,
     pub poll_max: Duration,
+    /// A sender without a connection for this long counts as gone (it will not end its
+    /// streams): see [`ReceiverHandle::all_senders_ended`].
+    pub gone_after: Duration,
 }
 
 impl Default for ReceiverOptions {
@@ -59,8 +76,10 @@ impl Default for ReceiverOptions {
         ReceiverOptions {
             max_device: 255,
             reorder: ReorderConfig::default(),
+            limits: Limits::default(),
             poll_min: Duration::from_micros(20),
             poll_max: Duration::from_micros(500),
+            gone_after: crate::transport::DEFAULT_PEER_TIMEOUT,
         }
     }
 }
@@ -74,7 +93,16 @@ struct SenderState {
     /// blocks filled before a reconnect overtook the resent format): held until the format comes.
     before_format: BTreeMap<u8, Vec<StreamEvent>>,
     formats_seen: std::collections::BTreeSet<u8>,
+    /// Since when no connection of this sender is up (`None` while one is).
+    idle_since: Option<Instant>,
+    /// The memory share of its current connection: reassembly and copies come out of it.
+    memory: Arc<Budget>,
 }
+
+/// Senders without a connection whose numbering state is kept at most (for a reconnect in the
+/// same session); beyond that the longest idle is forgotten, so names a peer makes up cannot
+/// grow the receiver's memory.
+const MAX_IDLE_SENDERS: usize = 64;
 
 /// Frames held per device while waiting for its format; beyond that they go on without one.
 const HELD_BEFORE_FORMAT: usize = 16;
@@ -138,13 +166,12 @@ pub struct InvalidCounts {
 }
 
 impl InvalidCounts {
-    fn record(&self, e: BlockError, peer: &str) {
-        let mut c = self.counts.lock();
-        let n = c.entry(e).or_insert(0);
-        if *n == 0 {
-            tracing::warn!(%peer, "invalid block ({e}); freed and counted, further ones of this kind are not logged");
-        }
-        *n += 1;
+    fn record(&self, e: BlockError, sender: &str, peer: &str) {
+        *self.counts.lock().entry(e).or_insert(0) += 1;
+        crate::warn_limited!(
+            format!("invalid-{e}-{sender}"),
+            "invalid block ({e}) from sender '{sender}' at {peer}; freed and counted"
+        );
     }
 
     /// All counts.
@@ -168,8 +195,9 @@ struct Shared {
     blocks: AtomicU64,
     /// Status scans that found nothing (idle polls).
     idle_polls: AtomicU64,
-    /// Connections the listener turned away.
+    /// Connections the listener turned away, in all and by kind of reason.
     refused: AtomicU64,
+    refused_by_kind: Mutex<BTreeMap<RefusalKind, u64>>,
     stop: AtomicBool,
 }
 
@@ -197,6 +225,7 @@ impl ReceiverHandle {
             blocks: AtomicU64::new(0),
             idle_polls: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            refused_by_kind: Mutex::new(BTreeMap::new()),
             stop: AtomicBool::new(false),
         });
         let pollers = Arc::new(Mutex::new(Vec::new()));
@@ -238,6 +267,11 @@ impl ReceiverHandle {
         self.shared.refused.load(Ordering::Relaxed)
     }
 
+    /// Connections turned away so far, by kind of reason.
+    pub fn refused_by_kind(&self) -> BTreeMap<RefusalKind, u64> {
+        self.shared.refused_by_kind.lock().clone()
+    }
+
     /// Idle status scans so far.
     pub fn idle_polls(&self) -> u64 {
         self.shared.idle_polls.load(Ordering::Relaxed)
@@ -265,13 +299,17 @@ impl ReceiverHandle {
     }
 
     /// True when at least one sender connected, and every sender seen has closed its
-    /// connections after ending every device it sent.
+    /// connections after ending every device it sent — or has been gone (no connection) for
+    /// longer than `gone_after` (killed, or its link died: it will not end its streams).
     pub fn all_senders_ended(&self) -> bool {
+        let gone_after = self.shared.opts.gone_after;
         let senders = self.shared.senders.lock();
         !senders.is_empty()
-            && senders
-                .values()
-                .all(|s| s.connections == 0 && s.streams.keys().all(|d| s.ended.contains(d)))
+            && senders.values().all(|s| {
+                s.connections == 0
+                    && (s.streams.keys().all(|d| s.ended.contains(d))
+                        || s.idle_since.is_some_and(|t| t.elapsed() >= gone_after))
+            })
     }
 
     /// Stops accepting and polling, and flushes the sink.
@@ -287,6 +325,7 @@ impl ReceiverHandle {
         for p in self.pollers.lock().drain(..) {
             let _ = p.join();
         }
+        self.shared.sink.stopping();
         self.shared.sink.flush();
     }
 }
@@ -304,8 +343,16 @@ fn accept_loop(
 ) {
     while !shared.stop.load(Ordering::Acquire) {
         // Each refusal was logged where it happened; here it is counted.
-        let refused = listener.refusals().len() as u64;
-        shared.refused.fetch_add(refused, Ordering::Relaxed);
+        let refusals = listener.refusals();
+        if !refusals.is_empty() {
+            shared
+                .refused
+                .fetch_add(refusals.len() as u64, Ordering::Relaxed);
+            let mut by_kind = shared.refused_by_kind.lock();
+            for r in &refusals {
+                *by_kind.entry(r.kind).or_insert(0) += 1;
+            }
+        }
         // A sender's reorder timeouts are checked by its polling thread; once its last
         // connection is gone they are checked here, so what waited behind a lost packet (an end
         // of stream, say) is still given up and delivered. No poller of that sender is running
@@ -327,6 +374,7 @@ fn accept_loop(
                 tracing::info!(sender = %name, peer = %accepted.peer, transport = listener.transport(), "sender connected");
                 {
                     let mut senders = shared.senders.lock();
+                    forget_idle_senders(&mut senders, &name);
                     let state = senders.entry(name.clone()).or_insert_with(|| SenderState {
                         session: accepted.hello.session,
                         streams: BTreeMap::new(),
@@ -334,6 +382,8 @@ fn accept_loop(
                         ended: Default::default(),
                         before_format: Default::default(),
                         formats_seen: Default::default(),
+                        idle_since: None,
+                        memory: accepted.memory.clone(),
                     });
                     if state.session != accepted.hello.session {
                         // A new sender process: its numbering starts afresh.
@@ -344,6 +394,14 @@ fn accept_loop(
                         state.formats_seen.clear();
                     }
                     state.connections += 1;
+                    state.idle_since = None;
+                    state.memory = accepted.memory.clone();
+                    for stream in state.streams.values_mut() {
+                        stream.set_budget(accepted.memory.clone());
+                        // Whatever the sender sends again starts the stream afresh; the sink
+                        // recognises frames it already handed on by their index.
+                        stream.restart();
+                    }
                 }
                 let shared = shared.clone();
                 match spawn(format!("poll-{name}"), move || {
@@ -366,14 +424,66 @@ fn accept_loop(
     }
 }
 
+/// Forgets the longest-idle senders (no connection, nothing held) beyond [`MAX_IDLE_SENDERS`],
+/// keeping `keep` (about to connect).
+fn forget_idle_senders(senders: &mut HashMap<String, SenderState>, keep: &str) {
+    let mut idle: Vec<(Instant, String)> = senders
+        .iter()
+        .filter(|(n, s)| n.as_str() != keep && s.connections == 0)
+        .filter_map(|(n, s)| Some((s.idle_since?, n.clone())))
+        .collect();
+    if idle.len() < MAX_IDLE_SENDERS {
+        return;
+    }
+    idle.sort();
+    for (_, name) in &idle[..idle.len() + 1 - MAX_IDLE_SENDERS] {
+        senders.remove(name);
+    }
+}
+
+/// Ends a connection's bookkeeping however its polling thread ends (unwinding included): the
+/// region is disconnected, the sender's connection count goes down and, when it was the last,
+/// the memory its half-reassembled messages held is given back.
+struct ConnectionGuard {
+    shared: Arc<Shared>,
+    name: String,
+    region: Arc<dyn Region>,
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.region.disconnect();
+        if let Some(s) = self.shared.senders.lock().get_mut(&self.name) {
+            s.connections = s.connections.saturating_sub(1);
+            if s.connections == 0 {
+                s.idle_since = Some(Instant::now());
+                for stream in s.streams.values_mut() {
+                    stream.release_memory();
+                }
+            }
+        }
+    }
+}
+
 /// The receiving thread of one connection: poll status bytes, validate, copy out, free, route.
 fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
     let Accepted {
         hello,
         peer,
         region,
+        lease,
+        memory,
     } = accepted;
     let name = hello.sender.clone();
+    let session = hello.session;
+    let mut memory_wait: Option<Instant> = None;
+    // Dropped last (after the guard): the name is free only once this connection is wound down.
+    let _lease = lease;
+    let _guard = ConnectionGuard {
+        shared: shared.clone(),
+        name: name.clone(),
+        region: region.clone(),
+    };
     let n = region.layout().blocks;
     let mut scanner = BlockScanner::default();
     let mut idle = shared.opts.poll_min;
@@ -384,20 +494,40 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
     loop {
         // Read `closed` before scanning: a block written before the close is then seen.
         let closed = region.is_closed();
-        if let Some(j) = scanner.next_full(n, |j| region.status(j)) {
+        let full = scanner.next_full(n, |j| region.status(j));
+        let room =
+            full.is_none_or(|j| has_room(&shared, &name, &region, j, zero_copy_limit, &memory));
+        if let (Some(j), true) = (full, room) {
+            memory_wait = None;
             let over = region.retained() >= zero_copy_limit;
             if over && !copy_logged {
                 tracing::debug!(sender = %name, "{} of {n} blocks are held downstream; copying payloads until some are released", region.retained());
             }
             copy_logged = over;
-            let packet = take_block(&region, j, shared.opts.max_device, zero_copy_limit);
+            let packet = take_block(&region, j, shared.opts.max_device, zero_copy_limit, &memory);
             shared.blocks.fetch_add(1, Ordering::Relaxed);
             match packet {
-                Ok(p) => route(&shared, &name, p),
-                Err(e) => shared.invalid.record(e, &peer),
+                Ok(p) => route(&shared, &name, session, p),
+                Err(e) => shared.invalid.record(e, &name, &peer),
             }
             idle = shared.opts.poll_min;
             continue;
+        }
+        if let (Some(j), false) = (full, room) {
+            // Back-pressure: this sender's memory share is taken by frames still on their way
+            // to disk (or held by a GStreamer pipeline). Its blocks stay full, so it waits; the
+            // block is taken first once there is room, so nothing is taken out of order.
+            scanner.retry(j);
+            let since = *memory_wait.get_or_insert_with(Instant::now);
+            if since.elapsed() > Duration::from_secs(2) {
+                crate::warn_limited!(
+                    format!("memory-wait-{name}"),
+                    "sender '{name}': waiting {:.1} s for memory ({} of its {} bytes in use by frames not yet written)",
+                    since.elapsed().as_secs_f64(),
+                    memory.used(),
+                    memory.limit()
+                );
+            }
         }
         if closed {
             break;
@@ -408,7 +538,9 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         }
         shared.idle_polls.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
-        if now >= next_timeout_check {
+        // While it waits for memory, nothing of this sender is missing: it is in the region.
+        // Its reorder timeouts wait too.
+        if memory_wait.is_none() && now >= next_timeout_check {
             check_timeouts(&shared, &name, now);
             next_timeout_check = now + Duration::from_millis(10);
         }
@@ -416,26 +548,72 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         idle = (idle * 2).min(shared.opts.poll_max);
     }
     tracing::info!(sender = %name, %peer, "sender disconnected; region freed");
-    if let Some(s) = shared.senders.lock().get_mut(&name) {
-        s.connections = s.connections.saturating_sub(1);
-    }
 }
 
 /// Takes block `j`: retains it (status 2), validates it, and either hands its payload on as is
 /// (zero copy; the block is freed when the last user drops it) or, when `zero_copy_limit` blocks
 /// of this region are already retained, copies the payload and frees the block at once. An
 /// invalid block is freed at once.
+/// Whether this sender's memory share has room for what taking block `j` costs: nothing for a
+/// single-block frame handed on as the block itself; for a copy, its payload; for a fragment of
+/// a larger frame, its copy plus what the reassembly buffer may grow by. An invalid block costs
+/// nothing (it is freed at once).
+fn has_room(
+    shared: &Shared,
+    name: &str,
+    region: &Arc<dyn Region>,
+    j: usize,
+    zero_copy_limit: usize,
+    memory: &Budget,
+) -> bool {
+    let mut header = None;
+    region.read_block(j, &mut |b| {
+        header = BlockHeader::decode_header(b, shared.opts.max_device).ok();
+    });
+    let Some(h) = header else { return true };
+    let payload = h.payload_len as usize;
+    let need = if h.fragment_count > 1 {
+        let assembling = shared
+            .senders
+            .lock()
+            .get(name)
+            .and_then(|s| s.streams.get(&h.device))
+            .map_or(0, DeviceStream::assembly_bytes);
+        payload + assembling.max(payload)
+    } else if h.is_reliable() || region.retained() >= zero_copy_limit {
+        payload
+    } else {
+        0
+    };
+    need == 0 || memory.available() >= need
+}
+
 fn take_block(
     region: &Arc<dyn Region>,
     j: usize,
     max_device: u8,
     zero_copy_limit: usize,
+    memory: &Arc<Budget>,
 ) -> std::result::Result<Packet, BlockError> {
     let held = region.clone().retain(j);
     let (header, range) = {
         let (h, payload) = BlockHeader::decode_block(&held, max_device)?;
         (h, HEADER_LEN..HEADER_LEN + payload.len())
     };
+    if header.is_reliable() && header.is_last_fragment() {
+        // Lossless: the message's last block stays unavailable until the message is durably
+        // handed on (the sender keeps the whole message until it reads this block free). Its
+        // payload is copied, so the block waits only for the acknowledgement, never for a sink
+        // that keeps the frame's memory (which would hold back the sender's send blocks too).
+        let payload = crate::proto::budget::reserved_copy(memory, &held[range])
+            .ok_or(BlockError::OverBudget)?;
+        let (_block, ack) = held.with_ack();
+        return Ok(Packet {
+            header,
+            payload,
+            ack: Some(ack),
+        });
+    }
     let payload = if region.retained() <= zero_copy_limit && header.fragment_count == 1 {
         Bytes::from_owner(held).slice(range)
     } else {
@@ -444,12 +622,17 @@ fn take_block(
             retained = region.retained(),
             "copying block payload"
         );
-        Bytes::copy_from_slice(&held[range])
+        // A copy takes memory from the budget; without room the block cannot be kept.
+        crate::proto::budget::reserved_copy(memory, &held[range]).ok_or(BlockError::OverBudget)?
     };
-    Ok(Packet { header, payload })
+    Ok(Packet {
+        header,
+        payload,
+        ack: None,
+    })
 }
 
-fn deliver(shared: &Shared, key: &StreamKey, events: Vec<StreamEvent>) {
+fn deliver(shared: &Shared, key: &StreamKey, session: u64, events: Vec<StreamEvent>) {
     let counters = shared.counters.device(key);
     for ev in events {
         match &ev {
@@ -460,11 +643,11 @@ fn deliver(shared: &Shared, key: &StreamKey, events: Vec<StreamEvent>) {
             StreamEvent::EndOfStream { .. } => counters.ended.store(1, Ordering::Relaxed),
             StreamEvent::Format { .. } => {}
         }
-        shared.sink.handle(key, &counters, ev);
+        shared.sink.handle(key, session, &counters, ev);
     }
 }
 
-fn route(shared: &Shared, name: &str, p: Packet) {
+fn route(shared: &Shared, name: &str, session: u64, p: Packet) {
     let device = p.header.device;
     let key = StreamKey {
         sender: name.to_string(),
@@ -475,36 +658,42 @@ fn route(shared: &Shared, name: &str, p: Packet) {
         let Some(state) = senders.get_mut(name) else {
             return;
         };
+        let limits = Limits {
+            budget: state.memory.clone(),
+            max_message: shared.opts.limits.max_message,
+        };
         let stream = state
             .streams
             .entry(device)
-            .or_insert_with(|| DeviceStream::new(shared.opts.reorder));
+            .or_insert_with(|| DeviceStream::with_limits(shared.opts.reorder, limits));
         stream.handle_packet(Instant::now(), p);
         let events: Vec<_> = std::iter::from_fn(|| stream.poll_event()).collect();
         let gaps = stream.stats().gap_packets;
         (state.release(device, events), gaps)
     };
     // The sink may block; the sender lock is not held here.
-    publish(shared, &key, events, gaps);
+    publish(shared, &key, session, events, gaps);
 }
 
 /// Hands a device's released events to the sink and publishes its gap count.
-fn publish(shared: &Shared, key: &StreamKey, events: Vec<StreamEvent>, gaps: u64) {
+fn publish(shared: &Shared, key: &StreamKey, session: u64, events: Vec<StreamEvent>, gaps: u64) {
     shared
         .counters
         .device(key)
         .gaps
         .store(gaps, Ordering::Relaxed);
-    deliver(shared, key, events);
+    deliver(shared, key, session, events);
 }
 
 fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
     let mut pending = Vec::new();
+    let session;
     {
         let mut senders = shared.senders.lock();
         let Some(state) = senders.get_mut(name) else {
             return;
         };
+        session = state.session;
         for (&device, stream) in state.streams.iter_mut() {
             if stream.poll_timeout().is_some_and(|t| t <= now) {
                 stream.handle_timeout(now);
@@ -521,6 +710,6 @@ fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
             sender: name.to_string(),
             device,
         };
-        publish(shared, &key, events, gaps);
+        publish(shared, &key, session, events, gaps);
     }
 }

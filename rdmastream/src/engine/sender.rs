@@ -12,10 +12,10 @@ use crossbeam_channel::{
 };
 
 use crate::error::{Error, Result, spawn};
-use crate::proto::handshake::{DataPath, Hello, PROTOCOL_VERSION, QpInfo};
+use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
-    Action, DeviceNumbering, MessageKind, MessageTimes, NO_PTS, SenderMachine, SenderStats,
-    fragment_range, status,
+    Action, Delivery, DeviceNumbering, MessageKind, MessageTimes, NO_PTS, SenderMachine,
+    SenderStats, fragment_range, status,
 };
 use crate::source::SourceFrame;
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
@@ -39,8 +39,9 @@ pub enum DropPolicy {
 pub struct SenderOptions {
     /// Scopes this sender's output on the receiver.
     pub name: String,
-    /// Must match the receiver's token when it has one.
-    pub token: String,
+    /// The key this sender proves it knows (and requires the receiver to prove); `None` for an
+    /// anonymous receiver.
+    pub key: Option<Key>,
     /// Number of local send blocks (S).
     pub send_blocks: usize,
     /// Bytes per send block; must not exceed the receiver's block size.
@@ -59,7 +60,7 @@ impl Default for SenderOptions {
     fn default() -> Self {
         SenderOptions {
             name: "sender".into(),
-            token: String::new(),
+            key: None,
             send_blocks: 8,
             block_size: 1 << 20,
             max_outstanding: 4,
@@ -170,6 +171,10 @@ struct Filled {
     index: usize,
     len: usize,
     device: u8,
+    /// A lossless device's block: kept until the receiver confirms its message.
+    reliable: bool,
+    /// The last block of its message.
+    last: bool,
     /// Set on the last block of a frame: payload bytes and capture time, for stats.
     frame_end: Option<(usize, u64)>,
 }
@@ -181,7 +186,8 @@ enum ToSending {
 }
 
 enum Control {
-    Device(u8, Receiver<Msg>),
+    /// A device, its queue, and whether it is lossless.
+    Device(u8, Receiver<Msg>, bool),
 }
 
 /// What a finished sender reports.
@@ -189,8 +195,12 @@ enum Control {
 pub struct SenderReport {
     pub machine: SenderStats,
     pub connections: u64,
-    /// Send blocks still unsent when the sender had to give up at shutdown.
+    /// Send blocks not delivered when the sender had to give up at shutdown (not written, or
+    /// written but not confirmed by the receiver for lossless devices).
     pub unsent: usize,
+    /// Frames not delivered when the sender had to give up: in those blocks, and still queued
+    /// at the devices.
+    pub undelivered_frames: u64,
 }
 
 /// A running sender.
@@ -202,6 +212,8 @@ pub struct SenderHandle {
     sending: Option<JoinHandle<Result<SenderReport>>>,
     queue_depth: usize,
     live: Arc<parking_lot::Mutex<SenderStats>>,
+    /// Every device queue, to count the frames left in them at shutdown.
+    queues: parking_lot::Mutex<Vec<Receiver<Msg>>>,
 }
 
 impl SenderHandle {
@@ -283,15 +295,24 @@ impl SenderHandle {
             sending: Some(sending),
             queue_depth: queue_depth.max(1),
             live,
+            queues: parking_lot::Mutex::new(Vec::new()),
         })
     }
 
     /// Registers device `device` and returns its input queue.
     pub fn add_device(&self, device: u8, policy: DropPolicy) -> DeviceInput {
+        self.add_device_with(device, policy, policy == DropPolicy::Block)
+    }
+
+    /// Registers device `device` with its queue policy, and whether it is lossless
+    /// (acknowledged end to end: the receiver confirms every message once it is durably handed
+    /// on, and the sender keeps it until then; `block` devices are, by [`Self::add_device`]).
+    pub fn add_device_with(&self, device: u8, policy: DropPolicy, reliable: bool) -> DeviceInput {
         let (tx, rx) = crossbeam_channel::bounded(self.queue_depth);
         if let Some(c) = &self.control {
-            let _ = c.send(Control::Device(device, rx.clone()));
+            let _ = c.send(Control::Device(device, rx.clone(), reliable));
         }
+        self.queues.lock().push(rx.clone());
         DeviceInput {
             device,
             policy,
@@ -312,6 +333,12 @@ impl SenderHandle {
         *self.live.lock()
     }
 
+    /// No more devices will be added: once every device has ended, the sending thread delivers
+    /// what is left and stops ([`Sender::is_finished`]). [`Sender::finish`] implies this.
+    pub fn close(&mut self) {
+        self.control.take();
+    }
+
     /// Waits until every device has ended and everything queued is written, or until
     /// `timeout`, then stops. Devices must have been ended ([`DeviceInput::end`]) or dropped.
     pub fn finish(mut self, timeout: Duration) -> Result<SenderReport> {
@@ -322,11 +349,23 @@ impl SenderHandle {
             std::thread::sleep(Duration::from_millis(5));
         }
         self.abort.store(true, Ordering::Release);
-        let report = sending
-            .join()
-            .unwrap_or_else(|_| Err(Error::invalid("sending thread", "panicked")));
+        let mut report = sending.join().unwrap_or_else(|_| {
+            Err(Error::Thread {
+                name: "sending".into(),
+                source: std::io::Error::other("the sending thread panicked"),
+            })
+        });
         if let Some(f) = self.filling.take() {
             let _ = f.join();
+        }
+        let queued: u64 = self
+            .queues
+            .lock()
+            .iter()
+            .map(|q| q.try_iter().filter(|m| matches!(m, Msg::Frame(_))).count() as u64)
+            .sum();
+        if let Ok(r) = &mut report {
+            r.undelivered_frames += queued;
         }
         report
     }
@@ -346,6 +385,7 @@ impl Drop for SenderHandle {
 struct DeviceState {
     device: u8,
     rx: Receiver<Msg>,
+    reliable: bool,
     numbering: DeviceNumbering,
     format: Option<Arc<str>>,
     /// Connection drops seen when the format was last sent: after a drop the receiver may be a
@@ -364,7 +404,7 @@ fn filling_thread(
 ) {
     let mut devices: Vec<DeviceState> = Vec::new();
     let mut ended: std::collections::HashMap<u8, DeviceNumbering> = Default::default();
-    let mut returning: Vec<(u8, Receiver<Msg>)> = Vec::new();
+    let mut returning: Vec<(u8, Receiver<Msg>, bool)> = Vec::new();
     let mut control_open = true;
     let block_size = blocks.block_size();
     // Takes a free send block; gives up only on abort.
@@ -393,6 +433,19 @@ fn filling_thread(
             return true;
         };
         let count = headers.len();
+        // A lossless message is kept whole in the send blocks until the receiver confirms it;
+        // one that needs all of them could never be completed. It is still sent, but only as
+        // reliably as a live device's (raise send_blocks or block_size to protect it).
+        let reliable = dev.reliable && count < blocks.count();
+        if dev.reliable && !reliable {
+            crate::warn_limited!(
+                "message-over-send-blocks",
+                "device {}: a {}-byte frame needs {count} send blocks, but the sender has {}: it is not kept for resending after a receiver crash (raise send_blocks or block_size)",
+                dev.device,
+                payload.len(),
+                blocks.count()
+            );
+        }
         for (k, h) in headers.into_iter().enumerate() {
             let Some(i) = take_free() else { return false };
             let range = fragment_range(k, payload.len(), block_size);
@@ -408,6 +461,8 @@ fn filling_thread(
                     index: i,
                     len,
                     device: dev.device,
+                    reliable,
+                    last: k + 1 == count,
                     frame_end,
                 }))
                 .is_err()
@@ -439,20 +494,27 @@ fn filling_thread(
             match op.recv(&control) {
                 // The same device number coming back before its previous stream's end was
                 // filled: start it once that end is through, so numbering carries on.
-                Ok(Control::Device(device, rx)) if devices.iter().any(|d| d.device == device) => {
-                    returning.push((device, rx));
+                Ok(Control::Device(device, rx, reliable))
+                    if devices.iter().any(|d| d.device == device) =>
+                {
+                    returning.push((device, rx, reliable));
                 }
-                Ok(Control::Device(device, rx)) => devices.push(DeviceState {
-                    device,
-                    rx,
+                Ok(Control::Device(device, rx, reliable)) => {
                     // A device that ended and comes back carries on numbering, so the receiver
                     // does not take its new packets for duplicates.
-                    numbering: ended
+                    let mut numbering = ended
                         .remove(&device)
-                        .unwrap_or_else(|| DeviceNumbering::starting_at(first_packet, 0)),
-                    format: None,
-                    format_epoch: 0,
-                }),
+                        .unwrap_or_else(|| DeviceNumbering::starting_at(first_packet, 0));
+                    numbering.set_reliable(reliable);
+                    devices.push(DeviceState {
+                        device,
+                        rx,
+                        reliable,
+                        numbering,
+                        format: None,
+                        format_epoch: 0,
+                    })
+                }
                 Err(_) => control_open = false,
             }
             continue;
@@ -497,13 +559,16 @@ fn filling_thread(
                     MessageTimes::at(unix_now_ns()),
                 );
                 let gone = devices.remove(pos);
-                match returning.iter().position(|(d, _)| *d == gone.device) {
+                match returning.iter().position(|(d, _, _)| *d == gone.device) {
                     Some(k) => {
-                        let (device, rx) = returning.remove(k);
+                        let (device, rx, reliable) = returning.remove(k);
+                        let mut numbering = gone.numbering;
+                        numbering.set_reliable(reliable);
                         devices.push(DeviceState {
                             device,
                             rx,
-                            numbering: gone.numbering,
+                            reliable,
+                            numbering,
                             format: None,
                             format_epoch: 0,
                         });
@@ -533,7 +598,12 @@ impl Sending {
         match ev {
             ToSending::Block(f) => {
                 self.meta[f.index] = Some(f);
-                self.machine.handle_filled(f.index, f.len);
+                let delivery = if f.reliable {
+                    Delivery::Confirmed { last: f.last }
+                } else {
+                    Delivery::Unconfirmed
+                };
+                self.machine.handle_filled(f.index, f.len, delivery);
             }
             ToSending::Done => *done = true,
         }
@@ -618,10 +688,10 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
     let hello = Hello {
         version: PROTOCOL_VERSION,
         sender: t.opts.name.clone(),
-        token: t.opts.token.clone(),
-        session: std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), unix_now_ns()),
+        session: u64::from_le_bytes(crate::transport::tcp::random_bytes()),
         data_path: DataPath::Tcp,
         qp: QpInfo::default(),
+        nonce: [0; NONCE_LEN],
     };
     let block_size = t.blocks.block_size();
     let mut report = SenderReport::default();
@@ -634,7 +704,17 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
     loop {
         *t.live.lock() = s.machine.stats();
         if t.abort.load(Ordering::Acquire) {
-            report.unsent = s.machine.queued() + s.machine.outstanding();
+            // Whatever the machine still holds was not delivered: queued, in flight, or (for
+            // lossless devices) written but not confirmed; blocks the filling thread sent since.
+            while let Ok(ev) = t.filled.try_recv() {
+                s.intake(ev, &mut done);
+            }
+            report.unsent = s.machine.queued() + s.machine.outstanding() + s.machine.unconfirmed();
+            report.undelivered_frames = s
+                .meta
+                .iter()
+                .filter(|m| m.is_some_and(|f| f.frame_end.is_some()))
+                .count() as u64;
             break;
         }
         while let Ok(ev) = t.filled.try_recv() {
@@ -646,7 +726,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                 break;
             }
             if now >= next_attempt {
-                match t.connector.connect(&hello, &t.blocks) {
+                match t.connector.connect(&hello, t.opts.key.as_ref(), &t.blocks) {
                     Ok(c) => {
                         let layout = c.layout();
                         if layout.block_size < block_size {
@@ -672,7 +752,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                         last_error.clear();
                         conn = Some(c);
                     }
-                    Err(e @ Error::Refused { .. }) => return Err(e),
+                    Err(e @ (Error::Refused { .. } | Error::Auth { .. })) => return Err(e),
                     Err(e) => {
                         let text = e.to_string();
                         if text != last_error {
@@ -699,12 +779,12 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
         };
         // Remote blocks are the receiver's size, which may exceed our send blocks.
         let remote_block_size = c.layout().block_size;
-        let mut result = Ok(());
-        while let Some(action) = s.machine.poll_action(now) {
+        // A receiver (or link) that died without a word is noticed within the peer timeout.
+        let mut result = c.heartbeat();
+        while result.is_ok()
+            && let Some(action) = s.machine.poll_action(now)
+        {
             result = post_action(c.as_mut(), action, remote_block_size);
-            if result.is_err() {
-                break;
-            }
         }
         if result.is_ok() && done && s.machine.is_idle() {
             tracing::info!(

@@ -33,8 +33,11 @@ pub mod flags {
     pub const FORMAT: u8 = 0x02;
     /// First block of the device's stream: the receiver starts reordering at this packet number.
     pub const STREAM_START: u8 = 0x04;
+    /// The device is lossless (`block` policy): the receiver frees the message's last block only
+    /// once the message is durably handed on, and the sender keeps the message until then.
+    pub const RELIABLE: u8 = 0x08;
     /// All flags this version knows; a header with any other bit set is rejected.
-    pub const KNOWN: u8 = END_OF_STREAM | FORMAT | STREAM_START;
+    pub const KNOWN: u8 = END_OF_STREAM | FORMAT | STREAM_START | RELIABLE;
 }
 
 /// Decoded block header. One frame (or format descriptor, or end of stream) is a message of
@@ -88,6 +91,8 @@ pub enum BlockError {
     DeviceOutOfRange,
     /// Trailer does not repeat the header or its CRC32C does not match: a torn or stale block.
     BadSeal,
+    /// Valid, but its payload had to be copied and the receiver's memory budget had no room.
+    OverBudget,
 }
 
 impl BlockError {
@@ -102,6 +107,7 @@ impl BlockError {
             BlockError::BadFragment => "bad-fragment",
             BlockError::DeviceOutOfRange => "device-out-of-range",
             BlockError::BadSeal => "bad-seal",
+            BlockError::OverBudget => "over-memory-budget",
         }
     }
 }
@@ -249,6 +255,16 @@ impl BlockHeader {
     /// True when the payload is a format descriptor.
     pub fn is_format(&self) -> bool {
         self.flags & flags::FORMAT != 0
+    }
+
+    /// True for blocks of a lossless device (acknowledged end to end).
+    pub fn is_reliable(&self) -> bool {
+        self.flags & flags::RELIABLE != 0
+    }
+
+    /// True for the last block of its message (where a lossless message's ack is held).
+    pub fn is_last_fragment(&self) -> bool {
+        self.fragment_index + 1 == self.fragment_count
     }
 }
 

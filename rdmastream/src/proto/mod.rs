@@ -3,6 +3,8 @@
 //! simulator in [`crate::sim`].
 #![forbid(unsafe_code)]
 
+pub mod ack;
+pub mod budget;
 pub mod format;
 pub mod handshake;
 pub mod header;
@@ -10,13 +12,15 @@ pub mod packetizer;
 pub mod reorder;
 pub mod sender;
 
+pub use ack::Ack;
+pub use budget::{Budget, Reservation};
 pub use format::Format;
 pub use header::{
     BlockError, BlockHeader, HEADER_LEN, NO_PTS, OVERHEAD, TRAILER_LEN, payload_capacity, status,
 };
 pub use packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range};
-pub use reorder::{DeviceStream, Frame, Packet, ReorderConfig, ReorderStats, StreamEvent};
-pub use sender::{Action, RemoteLayout, SenderMachine, SenderStats};
+pub use reorder::{DeviceStream, Frame, Limits, Packet, ReorderConfig, ReorderStats, StreamEvent};
+pub use sender::{Action, Delivery, RemoteLayout, SenderMachine, SenderStats};
 
 /// Scans status bytes round-robin for the next full block, like the paper's receiving thread.
 #[derive(Debug, Default, Clone)]
@@ -36,5 +40,11 @@ impl BlockScanner {
             }
         }
         None
+    }
+
+    /// Makes block `j` the first one the next scan looks at (a block that must wait is taken
+    /// before any later one, so blocks are still taken in the order they were written).
+    pub fn retry(&mut self, j: usize) {
+        self.cursor = j;
     }
 }

@@ -42,6 +42,8 @@ pub struct DeviceNumbering {
     next_packet: u16,
     next_frame: u64,
     started: bool,
+    /// Blocks of this device carry the RELIABLE flag (a `block` device).
+    reliable: bool,
 }
 
 impl DeviceNumbering {
@@ -51,7 +53,13 @@ impl DeviceNumbering {
             next_packet: packet,
             next_frame: frame,
             started: false,
+            reliable: false,
         }
+    }
+
+    /// Marks the device lossless (or not): its blocks carry the RELIABLE flag from now on.
+    pub fn set_reliable(&mut self, reliable: bool) {
+        self.reliable = reliable;
     }
 
     /// Next packet number to be used.
@@ -91,7 +99,7 @@ impl DeviceNumbering {
             MessageKind::Frame => 0,
             MessageKind::Format => flags::FORMAT,
             MessageKind::EndOfStream => flags::END_OF_STREAM,
-        };
+        } | if self.reliable { flags::RELIABLE } else { 0 };
         if let Some(index) = frame_index {
             self.next_frame = index;
         }

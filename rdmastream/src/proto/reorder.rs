@@ -15,10 +15,13 @@
 //! window fills or the timeout passes and starts at the oldest of them.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::ack::Ack;
+use super::budget::{Budget, Reservation, Reserved};
 use super::header::{BlockHeader, NO_PTS};
 
 /// Reordering limits.
@@ -46,6 +49,8 @@ impl Default for ReorderConfig {
 pub struct Packet {
     pub header: BlockHeader,
     pub payload: Bytes,
+    /// For the last block of a lossless device's message: settled once the message is durable.
+    pub ack: Option<Ack>,
 }
 
 /// A complete frame.
@@ -58,6 +63,10 @@ pub struct Frame {
     /// Presentation timestamp in ns, if the sender had one.
     pub pts_ns: Option<u64>,
     pub data: Bytes,
+    /// The device is lossless: a missing frame index is an error, and `ack` must be settled
+    /// once the frame is durably handed on.
+    pub reliable: bool,
+    pub ack: Option<Ack>,
 }
 
 /// What comes out of a device stream, in packet order.
@@ -68,11 +77,23 @@ pub enum StreamEvent {
     Format {
         frame_index: u64,
         descriptor: Vec<u8>,
+        ack: Option<Ack>,
     },
     /// The sender ended this device's stream.
     EndOfStream {
         frame_index: u64,
+        ack: Option<Ack>,
     },
+}
+
+impl StreamEvent {
+    /// The event's acknowledgement (lossless devices), to settle once it is handed on.
+    pub fn ack(&self) -> &Option<Ack> {
+        match self {
+            StreamEvent::Frame(f) => &f.ack,
+            StreamEvent::Format { ack, .. } | StreamEvent::EndOfStream { ack, .. } => ack,
+        }
+    }
 }
 
 /// Counters of one device stream.
@@ -86,17 +107,44 @@ pub struct ReorderStats {
     pub reordered: u64,
     /// Messages dropped because a fragment was missing or inconsistent.
     pub partial_messages: u64,
+    /// Messages dropped because they declared more than the largest message accepted.
+    pub oversized: u64,
+    /// Messages dropped because the receiver's memory budget had no room to reassemble them.
+    pub over_budget: u64,
 }
 
+/// Where reassembly memory comes from, and how much one message may take.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Shared with everything else the receiver allocates for its peers.
+    pub budget: Arc<Budget>,
+    /// Largest message (payload bytes over all fragments) accepted; larger ones are dropped
+    /// and counted before anything is allocated for them.
+    pub max_message: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            budget: Budget::unlimited(),
+            max_message: u32::MAX as usize,
+        }
+    }
+}
+
+/// A message being reassembled. Its buffer grows with the fragments that arrive (never with
+/// what a header declares) and every byte of its capacity is reserved from the budget.
 struct Assembly {
     first: BlockHeader,
     next_fragment: u16,
     data: Vec<u8>,
+    reservation: Reservation,
 }
 
 /// Reorder buffer and reassembler of one device.
 pub struct DeviceStream {
     cfg: ReorderConfig,
+    limits: Limits,
     /// Packet number of `slots[0]`; `None` until the first packet.
     expected: Option<u16>,
     /// `slots[k]` holds packet `expected + k` if it arrived.
@@ -114,13 +162,19 @@ pub struct DeviceStream {
 }
 
 impl DeviceStream {
-    /// A stream that starts at whatever packet arrives first.
+    /// A stream that starts at whatever packet arrives first, without memory limits.
     pub fn new(cfg: ReorderConfig) -> Self {
+        Self::with_limits(cfg, Limits::default())
+    }
+
+    /// A stream whose reassembly takes memory from `limits.budget`.
+    pub fn with_limits(cfg: ReorderConfig, limits: Limits) -> Self {
         DeviceStream {
             cfg: ReorderConfig {
                 window: cfg.window.clamp(1, 32768),
                 ..cfg
             },
+            limits,
             expected: None,
             slots: VecDeque::new(),
             settling: Vec::new(),
@@ -250,6 +304,40 @@ impl DeviceStream {
         self.expected
     }
 
+    /// From now on, reassembly takes memory from `budget` (a new connection's share).
+    pub fn set_budget(&mut self, budget: Arc<Budget>) {
+        self.limits.budget = budget;
+    }
+
+    /// Bytes of the message being reassembled (what this stream holds besides its packets).
+    pub fn assembly_bytes(&self) -> usize {
+        self.assembly.as_ref().map_or(0, |a| a.reservation.bytes())
+    }
+
+    /// A new connection of the same sender: it sends again, from the first block of the oldest
+    /// message the receiver did not confirm, what the old connection may have lost. Starts the
+    /// stream afresh at what comes (as a receiver that joins mid-stream does); whatever was held
+    /// is given up (counted as partial), and frames that arrive twice are recognised by their
+    /// frame index downstream.
+    pub fn restart(&mut self) {
+        self.release_memory();
+        self.expected = None;
+        self.slots.clear();
+        self.settling.clear();
+        self.settling_since = None;
+        self.stalled_since = None;
+        self.discarding = false;
+    }
+
+    /// The sender is gone: frees a half-reassembled message (counted as partial) and the held
+    /// packets' memory. Numbering is kept, so a resent packet is still known as a duplicate.
+    pub fn release_memory(&mut self) {
+        if self.assembly.take().is_some() {
+            self.stats.partial_messages += 1;
+            self.discarding = true;
+        }
+    }
+
     fn update_stall(&mut self, now: Instant) {
         if self.slots.is_empty() {
             self.stalled_since = None;
@@ -287,21 +375,29 @@ impl DeviceStream {
                 self.stats.partial_messages += 1;
             }
             self.discarding = false;
+            if h.message_len as usize > self.limits.max_message {
+                self.stats.oversized += 1;
+                self.discarding = true;
+                return;
+            }
             if h.fragment_count == 1 {
                 if p.payload.len() == h.message_len as usize {
-                    self.emit(h, p.payload);
+                    self.emit(h, p.payload, p.ack);
                 } else {
                     self.stats.partial_messages += 1;
                 }
                 return;
             }
-            let mut data = Vec::with_capacity(h.message_len as usize);
-            data.extend_from_slice(&p.payload);
-            self.assembly = Some(Assembly {
+            let mut a = Assembly {
                 first: h,
                 next_fragment: 1,
-                data,
-            });
+                data: Vec::new(),
+                reservation: Reservation::empty(&self.limits.budget),
+            };
+            if !self.append(&mut a, &p.payload) {
+                return;
+            }
+            self.assembly = Some(a);
             return;
         }
         let Some(mut a) = self.assembly.take() else {
@@ -319,17 +415,42 @@ impl DeviceStream {
             self.lose_message();
             return;
         }
-        a.data.extend_from_slice(&p.payload);
+        if !self.append(&mut a, &p.payload) {
+            return;
+        }
         a.next_fragment += 1;
         if a.next_fragment == a.first.fragment_count {
             if a.data.len() == a.first.message_len as usize {
-                self.emit(a.first, a.data.into());
+                let data = Bytes::from_owner(Reserved::new(a.data, a.reservation));
+                self.emit(a.first, data, p.ack);
             } else {
                 self.stats.partial_messages += 1;
             }
         } else {
             self.assembly = Some(a);
         }
+    }
+
+    /// Appends a fragment's payload, reserving whatever capacity the buffer grows by. When the
+    /// budget has no room the message is dropped (counted) and false returned.
+    fn append(&mut self, a: &mut Assembly, payload: &[u8]) -> bool {
+        let needed = a.data.len() + payload.len();
+        if needed > a.data.capacity() {
+            // Grow geometrically (no quadratic copying for many-fragment frames), but never past
+            // what the header says the whole message needs.
+            let target = (a.data.capacity() * 2)
+                .max(needed)
+                .min(a.first.message_len as usize);
+            let more = target - a.data.capacity();
+            if !a.reservation.grow(more) {
+                self.stats.over_budget += 1;
+                self.discarding = true;
+                return false;
+            }
+            a.data.reserve_exact(target - a.data.len());
+        }
+        a.data.extend_from_slice(payload);
+        true
     }
 
     /// The message in progress (or the one whose first fragment went missing) cannot complete;
@@ -342,15 +463,17 @@ impl DeviceStream {
         self.discarding = true;
     }
 
-    fn emit(&mut self, h: BlockHeader, data: Bytes) {
+    fn emit(&mut self, h: BlockHeader, data: Bytes, ack: Option<Ack>) {
         let event = if h.is_end_of_stream() {
             StreamEvent::EndOfStream {
                 frame_index: h.frame_index,
+                ack,
             }
         } else if h.is_format() {
             StreamEvent::Format {
                 frame_index: h.frame_index,
                 descriptor: data.to_vec(),
+                ack,
             }
         } else {
             StreamEvent::Frame(Frame {
@@ -360,6 +483,8 @@ impl DeviceStream {
                 duration_ns: h.duration_ns,
                 pts_ns: (h.pts_ns != NO_PTS).then_some(h.pts_ns),
                 data,
+                reliable: h.is_reliable(),
+                ack,
             })
         };
         self.events.push_back(event);
@@ -369,6 +494,7 @@ impl DeviceStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proto::budget::Budget;
     use crate::proto::header::OVERHEAD;
     use crate::proto::packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range};
 
@@ -388,7 +514,11 @@ mod tests {
                 .unwrap();
             for (k, h) in hs.into_iter().enumerate() {
                 let payload = Bytes::copy_from_slice(&data[fragment_range(k, len, block)]);
-                out.push(Packet { header: h, payload });
+                out.push(Packet {
+                    header: h,
+                    payload,
+                    ack: None,
+                });
             }
         }
         out
@@ -490,6 +620,90 @@ mod tests {
         s.handle_packet(now, ps[1].clone());
         s.handle_packet(now, ps[5].clone());
         assert_eq!(s.stats().duplicates, 2);
+    }
+
+    #[test]
+    fn a_header_declaring_4_gib_reserves_only_what_arrives() {
+        // Issue 7, attack 1: one small block whose header claims a 4 GiB message.
+        let now = Instant::now();
+        let budget = Budget::new(1 << 20);
+        let lie = |max_message| {
+            let mut s = DeviceStream::with_limits(
+                ReorderConfig::default(),
+                Limits {
+                    budget: budget.clone(),
+                    max_message,
+                },
+            );
+            let header = BlockHeader {
+                device: 1,
+                packet: 0,
+                flags: crate::proto::header::flags::STREAM_START,
+                fragment_index: 0,
+                fragment_count: 2,
+                payload_len: 1,
+                frame_index: 0,
+                timestamp_ns: 0,
+                message_len: u32::MAX,
+                duration_ns: 0,
+                pts_ns: NO_PTS,
+            };
+            s.handle_packet(
+                now,
+                Packet {
+                    header,
+                    payload: Bytes::from_static(b"x"),
+                    ack: None,
+                },
+            );
+            s
+        };
+        let s = lie(64 << 20);
+        assert_eq!(s.stats().oversized, 1);
+        assert_eq!(budget.used(), 0);
+        let mut s = lie(usize::MAX);
+        assert_eq!(
+            s.assembly_bytes(),
+            1,
+            "reserved what arrived, not what was declared"
+        );
+        assert_eq!(budget.used(), 1);
+        s.release_memory();
+        assert_eq!(budget.used(), 0, "a gone sender's partial message is freed");
+        assert_eq!(s.stats().partial_messages, 1);
+    }
+
+    #[test]
+    fn reassembly_beyond_the_budget_drops_the_message_and_counts_it() {
+        let now = Instant::now();
+        let budget = Budget::new(250);
+        let mut n = DeviceNumbering::default();
+        let ps = packets(&mut n, 3, 100, OVERHEAD + 40); // 3 fragments of a 100-byte frame each
+        let mut s = DeviceStream::with_limits(
+            ReorderConfig::default(),
+            Limits {
+                budget: budget.clone(),
+                max_message: 1000,
+            },
+        );
+        // 90 bytes left: a 100-byte frame cannot be reassembled.
+        let hog = budget.try_reserve(160).unwrap();
+        for p in ps.iter().take(3).cloned() {
+            s.handle_packet(now, p);
+        }
+        assert_eq!(frames(&mut s), Vec::<u64>::new());
+        assert_eq!(s.stats().over_budget, 1);
+        drop(hog);
+        for p in ps.into_iter().skip(3) {
+            s.handle_packet(now, p);
+        }
+        let got = frames(&mut s);
+        assert_eq!(got, vec![1, 2]);
+        assert_eq!(
+            budget.used(),
+            0,
+            "delivered frames were dropped by the test"
+        );
     }
 
     #[test]

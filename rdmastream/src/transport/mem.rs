@@ -11,11 +11,11 @@ use parking_lot::Mutex;
 
 use super::{
     Accepted, Completion, Connection, Connector, Listener, Region, RegionSettings, RemoteAddr,
-    SendBlocks, SoftRegion, WriteSource, WriteWr, check_hello,
+    SendBlocks, SoftRegion, WriteSource, WriteWr,
 };
 use crate::error::{Error, Result};
 use crate::proto::RemoteLayout;
-use crate::proto::handshake::Hello;
+use crate::proto::handshake::{Hello, Key};
 
 type Endpoints = HashMap<String, (RegionSettings, Sender<Accepted>)>;
 
@@ -83,7 +83,12 @@ impl Connector for MemConnector {
     fn peer(&self) -> String {
         format!("mem:{}", self.name)
     }
-    fn connect(&self, hello: &Hello, blocks: &Arc<SendBlocks>) -> Result<Box<dyn Connection>> {
+    fn connect(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn Connection>> {
         let peer = self.peer();
         let (settings, tx) = self
             .fabric
@@ -95,15 +100,43 @@ impl Connector for MemConnector {
                 peer: peer.clone(),
                 source: std::io::ErrorKind::ConnectionRefused.into(),
             })?;
-        check_hello(hello, &settings).map_err(|reason| Error::Refused {
+        // In one process the keys can be compared directly; the rules are the other
+        // transports': a keyed receiver needs the sender's key, a keyed sender a keyed receiver.
+        let refused = |reason: String| Error::Refused {
             peer: peer.clone(),
             reason,
-        })?;
-        let region = SoftRegion::new(&settings);
+        };
+        let keys = settings.access.keys();
+        match (keys.is_anonymous(), key) {
+            (true, None) => {}
+            (true, Some(_)) => {
+                return Err(Error::Auth {
+                    peer,
+                    reason: "the receiver does not authenticate".into(),
+                });
+            }
+            (false, k) if k.is_some() && k == keys.key_for(&hello.sender) => {}
+            (false, _) => {
+                return Err(refused(format!(
+                    "sender '{}': authentication failed",
+                    hello.sender
+                )));
+            }
+        }
+        let lease = settings
+            .access
+            .admit(hello, &peer)
+            .map_err(|(_, why)| refused(why))?;
+        let memory = settings.reserve_region().map_err(|(_, why)| refused(why))?;
+        let region = SoftRegion::with_reservation(&settings, Some(memory.region));
+        let dyn_region: Arc<dyn Region> = region.clone();
+        lease.attach(&dyn_region);
         let accepted = Accepted {
             hello: hello.clone(),
             peer: "mem".into(),
-            region: region.clone(),
+            region: dyn_region,
+            lease,
+            memory: memory.reassembly,
         };
         tx.send(accepted).map_err(|_| Error::Connect {
             peer: peer.clone(),

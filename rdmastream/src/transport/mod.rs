@@ -11,6 +11,7 @@
 //! The receiver side of every transport is passive: the receiver's own code only reads blocks
 //! and stores status bytes in its [`Region`]; it never posts anything.
 
+pub mod access;
 pub mod mem;
 pub mod region;
 pub mod tcp;
@@ -19,10 +20,13 @@ pub mod verbs;
 use std::time::Duration;
 
 use crate::error::Result;
-use crate::proto::RemoteLayout;
-use crate::proto::handshake::Hello;
+use crate::proto::handshake::{Hello, Key};
+use crate::proto::{RemoteLayout, Reservation};
 
-pub use region::{HeldBytes, Region, RegisteredBlocks, RetainedBlock, SendBlocks, SoftRegion};
+pub use access::{AccessControl, Keys, Lease};
+pub use region::{
+    HeldBlock, HeldBytes, Region, RegisteredBlocks, RetainedBlock, SendBlocks, SoftRegion,
+};
 
 /// Which remote memory region an operation targets (each has its own key and access rights:
 /// blocks are remote-WRITE only, the status array remote READ and WRITE).
@@ -79,6 +83,20 @@ pub trait Connection: Send {
     fn poll_completions(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<()>;
     /// The local memory READs land in.
     fn read_buffer(&self) -> Vec<u8>;
+    /// Keeps the connection's liveness check going; called by the sending thread every time
+    /// round its loop. Sends a heartbeat when one is due, and fails when the receiver has not
+    /// been heard from for the peer timeout (a dead machine or link, a half-open connection).
+    fn heartbeat(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// How long a peer may stay silent before its connection is given up, unless configured.
+pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often a live connection proves it is alive, for a peer timeout of `timeout`.
+pub fn heartbeat_interval(timeout: Duration) -> Duration {
+    (timeout / 5).max(Duration::from_millis(50))
 }
 
 /// Makes connections for a sender (one at a time; called again to reconnect).
@@ -87,11 +105,13 @@ pub trait Connector: Send {
     fn transport(&self) -> &'static str;
     /// Peer description, for logs.
     fn peer(&self) -> String;
-    /// Connects and hands the receiver `hello`; the connection reads WRITE sources from
-    /// `blocks`.
+    /// Connects and hands the receiver `hello` (its nonce is filled in fresh), proving
+    /// knowledge of `key` when the receiver asks for it (and requiring the receiver's proof
+    /// when a key is given); the connection reads WRITE sources from `blocks`.
     fn connect(
         &self,
         hello: &Hello,
+        key: Option<&Key>,
         blocks: &std::sync::Arc<SendBlocks>,
     ) -> Result<Box<dyn Connection>>;
     /// Allocates (and registers, where the transport needs that) the sender's send blocks, once
@@ -105,17 +125,86 @@ pub trait Connector: Send {
     }
 }
 
-/// What a receiver offers each connecting sender.
+/// What a receiver offers each connecting sender, and on what terms.
 #[derive(Debug, Clone)]
 pub struct RegionSettings {
     /// Receiver memory blocks per sender (N).
     pub blocks: usize,
     /// Bytes per block (B).
     pub block_size: usize,
-    /// Required auth token; empty accepts any.
-    pub token: String,
     /// Blocks marked unavailable (status 2) from the start, e.g. memory kept for another use.
     pub reserved_blocks: Vec<usize>,
+    /// Keys, one connection per name, the sender cap and the memory budget.
+    pub access: std::sync::Arc<AccessControl>,
+    /// Bytes each connected sender gets for reassembling its multi-block frames and for copies
+    /// of its payloads (reserved from the budget with its region): what one sender does with
+    /// its share cannot starve another.
+    pub reassembly: usize,
+    /// A sender not heard from for this long is gone: its connection is closed and its region
+    /// freed (senders send heartbeats when idle).
+    pub peer_timeout: Duration,
+}
+
+impl RegionSettings {
+    /// N blocks of B bytes, anonymous access without limits (tests and tools).
+    pub fn plain(blocks: usize, block_size: usize) -> RegionSettings {
+        RegionSettings {
+            blocks,
+            block_size,
+            reserved_blocks: Vec::new(),
+            access: AccessControl::open(),
+            reassembly: 64 << 20,
+            peer_timeout: DEFAULT_PEER_TIMEOUT,
+        }
+    }
+
+    /// The reassembly share a sender needs so that it can never wait on itself: room to copy
+    /// every block of its region (fragments waiting for a missing one) plus two frames of
+    /// `max_frame` bytes (one being reassembled, one on its way to disk).
+    pub fn reassembly_for(blocks: usize, block_size: usize, max_frame: usize) -> usize {
+        blocks
+            .saturating_mul(block_size)
+            .saturating_add(max_frame.saturating_mul(2))
+    }
+
+    /// Bytes one region takes: the blocks and the status array.
+    pub fn region_bytes(&self) -> usize {
+        self.blocks
+            .saturating_mul(self.block_size)
+            .saturating_add(self.blocks)
+    }
+
+    /// Reserves one sender's memory from the budget: its region, and its share for
+    /// reassembly. `Err` is the refusal.
+    pub fn reserve_region(&self) -> std::result::Result<SenderMemory, (RefusalKind, String)> {
+        let budget = self.access.budget();
+        let need = self.region_bytes().saturating_add(self.reassembly);
+        let mut all = budget.try_reserve(need).ok_or_else(|| {
+            (
+                RefusalKind::MemoryBudget,
+                format!(
+                    "memory budget exhausted: a sender needs {need} bytes (region and \
+                     reassembly), {} of {} are in use",
+                    budget.used(),
+                    budget.limit()
+                ),
+            )
+        })?;
+        let share = all.split_off(self.reassembly);
+        Ok(SenderMemory {
+            region: all,
+            reassembly: crate::proto::Budget::carved(share),
+        })
+    }
+}
+
+/// What a connected sender's memory is taken from.
+#[derive(Debug)]
+pub struct SenderMemory {
+    /// The region's bytes; the region holds it until it is freed.
+    pub region: Reservation,
+    /// The sender's share for reassembly and copies.
+    pub reassembly: std::sync::Arc<crate::proto::Budget>,
 }
 
 /// A sender that completed the handshake, with the region it writes into.
@@ -124,6 +213,10 @@ pub struct Accepted {
     /// Remote address of the sender, for logs.
     pub peer: String,
     pub region: std::sync::Arc<dyn Region>,
+    /// The sender's hold on its name; the receiver drops it when the connection is over.
+    pub lease: Lease,
+    /// The sender's share of memory for reassembly and copies.
+    pub memory: std::sync::Arc<crate::proto::Budget>,
 }
 
 /// The receiver's listening side.
@@ -152,17 +245,58 @@ pub struct Refusal {
     pub peer: String,
     /// Why, as told to the peer and logged.
     pub why: String,
+    /// The kind of reason, for counters.
+    pub kind: RefusalKind,
 }
 
-/// Checks a Hello against the receiver's settings; `Err` is the refusal text for the peer.
-pub(crate) fn check_hello(
-    hello: &Hello,
-    settings: &RegionSettings,
-) -> std::result::Result<(), String> {
-    if !settings.token.is_empty() && hello.token != settings.token {
-        return Err("authentication failed: auth token does not match".into());
+/// Kinds of reasons a connection is refused, counted separately by receivers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum RefusalKind {
+    /// Malformed, truncated, oversized or too slow handshake.
+    BadHandshake,
+    /// A protocol version this build does not speak.
+    Version,
+    /// The sender asked for another transport.
+    WrongTransport,
+    /// Wrong or missing key, or a replayed handshake.
+    Authentication,
+    /// The sender name is held by another connection.
+    NameInUse,
+    /// `max_senders` reached.
+    SenderLimit,
+    /// The memory budget has no room for another region.
+    MemoryBudget,
+    /// Too many handshakes in progress (in all, or from one address).
+    HandshakeLimit,
+    /// The peer went away during the handshake.
+    Lost,
+    /// The receiver could not set up what the connection needs (RDMA resources, a thread).
+    Resources,
+}
+
+impl RefusalKind {
+    /// Short stable name, used in logs, summaries and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            RefusalKind::BadHandshake => "bad-handshake",
+            RefusalKind::Version => "version",
+            RefusalKind::WrongTransport => "wrong-transport",
+            RefusalKind::Authentication => "authentication",
+            RefusalKind::NameInUse => "name-in-use",
+            RefusalKind::SenderLimit => "sender-limit",
+            RefusalKind::MemoryBudget => "memory-budget",
+            RefusalKind::HandshakeLimit => "handshake-limit",
+            RefusalKind::Lost => "lost",
+            RefusalKind::Resources => "resources",
+        }
     }
-    Ok(())
+}
+
+impl std::fmt::Display for RefusalKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Which data path a sender or receiver runs.

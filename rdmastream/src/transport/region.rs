@@ -8,7 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use parking_lot::{Mutex, RawMutex, lock_api::ArcMutexGuard};
 
 use super::{RegionSettings, Target};
-use crate::proto::{RemoteLayout, status};
+use crate::proto::ack::{Ack, Settle};
+use crate::proto::{RemoteLayout, Reservation, status};
 
 /// The receiver's view of one sender's region. Status bytes are read with acquire and written
 /// with release ordering: a block's bytes are visible once its status byte reads FULL, and the
@@ -36,6 +37,10 @@ pub trait Region: Send + Sync {
     fn retained(&self) -> usize;
     /// Ends a retention: the block becomes EMPTY. Called by [`RetainedBlock`]'s drop.
     fn release(&self, j: usize);
+    /// Ends a retention without freeing the block: it stays RETAINED (unavailable) for the rest
+    /// of the connection. For a lossless message that was not durably handed on: telling the
+    /// sender it is safe would lose it.
+    fn abandon(&self, j: usize);
 }
 
 /// The bytes of a retained block, however the region stores them.
@@ -49,6 +54,9 @@ pub struct RetainedBlock {
     region: Arc<dyn Region>,
     index: usize,
     held: Option<Box<dyn HeldBytes>>,
+    /// For the last block of a lossless message: set once the message is durable; until then
+    /// the block is not freed.
+    settled: Option<Arc<AtomicBool>>,
 }
 
 impl RetainedBlock {
@@ -59,12 +67,48 @@ impl RetainedBlock {
             region,
             index,
             held: Some(held),
+            settled: None,
         }
     }
 
     /// Which block this is.
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// Makes the block wait for an acknowledgement: it is freed (status 0, which the sender
+    /// takes as "durable") only once the returned [`Ack`] was settled and every holder (the
+    /// returned block, the ack) is gone. Dropped unsettled, it stays unavailable.
+    pub fn with_ack(mut self) -> (Arc<RetainedBlock>, Ack) {
+        let settled = Arc::new(AtomicBool::new(false));
+        self.settled = Some(settled.clone());
+        let block = Arc::new(self);
+        let ack = Ack::new(Arc::new(BlockAck {
+            settled,
+            _block: block.clone(),
+        }));
+        (block, ack)
+    }
+}
+
+/// The acknowledgement of a retained block (see [`RetainedBlock::with_ack`]).
+struct BlockAck {
+    settled: Arc<AtomicBool>,
+    _block: Arc<RetainedBlock>,
+}
+
+impl Settle for BlockAck {
+    fn settle(&self) {
+        self.settled.store(true, Ordering::Release);
+    }
+}
+
+/// A shared retained block's bytes, for `Bytes::from_owner`.
+pub struct HeldBlock(pub Arc<RetainedBlock>);
+
+impl AsRef<[u8]> for HeldBlock {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_ref()
     }
 }
 
@@ -85,7 +129,16 @@ impl Drop for RetainedBlock {
     fn drop(&mut self) {
         // Let go of the bytes first, then tell the sender the block is free.
         self.held.take();
-        self.region.release(self.index);
+        match &self.settled {
+            Some(s) if !s.load(Ordering::Acquire) => {
+                crate::warn_limited!(
+                    "ack-abandoned",
+                    "a lossless message was dropped before it was handed on; its block stays unavailable so the sender sends it again after a reconnect"
+                );
+                self.region.abandon(self.index)
+            }
+            _ => self.region.release(self.index),
+        }
     }
 }
 
@@ -110,6 +163,8 @@ pub struct SoftRegion {
     retained: AtomicUsize,
     /// The connection carrying this region's WRITEs, to end it on [`Region::disconnect`].
     link: Mutex<Option<std::net::TcpStream>>,
+    /// This region's share of the receiver's memory budget, given back when it is freed.
+    _reservation: Option<Reservation>,
 }
 
 /// A remote access that the region's access rights or bounds forbid (what an RNIC reports as a
@@ -118,8 +173,18 @@ pub struct SoftRegion {
 pub struct AccessError(pub String);
 
 impl SoftRegion {
-    /// Allocates N blocks of B bytes, all EMPTY except the reserved ones (RETAINED).
+    /// Allocates N blocks of B bytes, all EMPTY except the reserved ones (RETAINED), outside any
+    /// budget (tests, tools).
     pub fn new(settings: &RegionSettings) -> Arc<SoftRegion> {
+        Self::with_reservation(settings, None)
+    }
+
+    /// Allocates a region whose memory `reservation` accounts for (see
+    /// [`RegionSettings::reserve_region`]); it is given back when the region is freed.
+    pub fn with_reservation(
+        settings: &RegionSettings,
+        reservation: Option<Reservation>,
+    ) -> Arc<SoftRegion> {
         let statuses: Box<[AtomicU8]> = (0..settings.blocks)
             .map(|j| {
                 let s = if settings.reserved_blocks.contains(&j) {
@@ -147,6 +212,7 @@ impl SoftRegion {
             closed: AtomicBool::new(false),
             retained: AtomicUsize::new(0),
             link: Mutex::new(None),
+            _reservation: reservation,
         })
     }
 
@@ -160,6 +226,10 @@ impl SoftRegion {
         self.closed.store(true, Ordering::Release);
     }
 
+    /// Checks an access of `len` bytes at `offset` like an RNIC checks an rkey's bounds: the
+    /// whole range inside the target and, for memory blocks, inside one block. Returns the
+    /// block (or first status byte) index and the offset within it. Every value here comes from
+    /// the peer, so nothing is assumed: a zero-length access at the very end is refused too.
     fn locate(
         &self,
         target: Target,
@@ -167,20 +237,24 @@ impl SoftRegion {
         len: usize,
     ) -> Result<(usize, usize), AccessError> {
         let (unit, count) = match target {
-            Target::Blocks => (self.layout.block_size, self.layout.blocks),
-            Target::Statuses => (1, self.layout.blocks),
+            Target::Blocks => (self.layout.block_size as u64, self.layout.blocks as u64),
+            Target::Statuses => (1, self.layout.blocks as u64),
         };
-        let end = offset
-            .checked_add(len as u64)
-            .filter(|&e| e <= (unit * count) as u64);
-        let index = (offset / unit as u64) as usize;
-        let within = (offset % unit as u64) as usize;
-        match end {
-            Some(_) if target == Target::Statuses || within + len <= unit => Ok((index, within)),
-            _ => Err(AccessError(format!(
+        let outside = || {
+            AccessError(format!(
                 "{len} bytes at {target:?}+{offset} are outside the region"
-            ))),
+            ))
+        };
+        let end = offset.checked_add(len as u64).ok_or_else(outside)?;
+        let index = offset / unit;
+        let within = offset % unit;
+        let fits = index < count
+            && end <= unit * count
+            && (target == Target::Statuses || within + len as u64 <= unit);
+        if !fits {
+            return Err(outside());
         }
+        Ok((index as usize, within as usize))
     }
 
     /// Applies an RDMA WRITE whose bytes `fill` produces into the destination slice. Status bytes
@@ -263,6 +337,9 @@ impl Region for SoftRegion {
     fn release(&self, j: usize) {
         self.retained.fetch_sub(1, Ordering::Relaxed);
         self.statuses[j].store(status::EMPTY, Ordering::Release);
+    }
+    fn abandon(&self, _j: usize) {
+        self.retained.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -366,10 +443,8 @@ mod tests {
 
     fn region() -> Arc<SoftRegion> {
         SoftRegion::new(&RegionSettings {
-            blocks: 4,
-            block_size: 64,
-            token: String::new(),
             reserved_blocks: vec![2],
+            ..RegionSettings::plain(4, 64)
         })
     }
 
@@ -417,6 +492,14 @@ mod tests {
         assert!(
             r.read_remote(Target::Statuses, 2, 4).is_err(),
             "read past the status array"
+        );
+        // Issue 7, attack 6: a zero-length WRITE at exactly N x B used to index past the end.
+        assert!(r.write_with(Target::Blocks, 256, 0, |_| Ok(())).is_err());
+        assert!(r.write_with(Target::Statuses, 4, 0, |_| Ok(())).is_err());
+        assert!(r.read_remote(Target::Statuses, 4, 0).is_err());
+        assert!(
+            r.write_with(Target::Blocks, u64::MAX, 1, |_| Ok(()))
+                .is_err()
         );
         r.write_with(Target::Blocks, 64 + 3, 2, |b| {
             b.copy_from_slice(b"hi");

@@ -14,27 +14,35 @@
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use super::{
-    Accepted, Completion, Connection, Connector, Listener, Refusal, RegionSettings, RemoteAddr,
-    SendBlocks, SoftRegion, Target, WriteSource, WriteWr, check_hello,
+    Accepted, Completion, Connection, Connector, Lease, Listener, Refusal, RefusalKind, Region,
+    RegionSettings, RemoteAddr, SendBlocks, SoftRegion, Target, WriteSource, WriteWr,
 };
 use crate::error::{Error, Result, spawn};
+use crate::logsafe;
 use crate::proto::RemoteLayout;
-use crate::proto::handshake::{DataPath, Hello, MAX_MESSAGE, Welcome};
+use crate::proto::handshake::{
+    AuthKind, Challenge, DataPath, Hello, Key, MAX_MESSAGE, PROOF_LEN, PROTOCOL_VERSION, Proof,
+    Welcome, claimed_version,
+};
 
 const OP_WRITE: u8 = 1;
 const OP_READ: u8 = 2;
 const OP_ACK: u8 = 3;
 const OP_READ_RESP: u8 = 4;
 const OP_ERROR: u8 = 5;
+/// Sender → receiver: nothing to do, answered with an ACK (the heartbeat of an idle link).
+const OP_NOP: u8 = 6;
+/// The work request id of heartbeats (never a chain's or a sync's).
+const NOP_WR_ID: u64 = u64::MAX;
 const OP_HEADER: usize = 24;
-/// How long a peer may take to complete the handshake.
+/// How long a peer may take to complete the whole handshake (not each read).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Copy)]
@@ -86,12 +94,43 @@ pub(crate) fn send_message(stream: &mut TcpStream, body: &[u8]) -> std::io::Resu
     stream.write_all(&framed)
 }
 
-/// Reads one length-prefixed handshake message (bounded by [`MAX_MESSAGE`]).
-pub(crate) fn recv_message(stream: &mut TcpStream) -> std::result::Result<Vec<u8>, String> {
+/// Reads exactly `buf.len()` bytes, giving up at `deadline`: the read timeout is set to what is
+/// left before every read, so a peer that trickles one byte every few seconds cannot stretch a
+/// handshake past its deadline.
+fn read_until(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "handshake deadline passed",
+            ));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match stream.read(&mut buf[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "handshake deadline passed",
+                ));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads one length-prefixed handshake message (bounded by [`MAX_MESSAGE`]) before `deadline`.
+pub(crate) fn recv_message(
+    stream: &mut TcpStream,
+    deadline: Instant,
+) -> std::result::Result<Vec<u8>, String> {
     let mut len = [0u8; 4];
-    stream
-        .read_exact(&mut len)
-        .map_err(|e| format!("reading message length: {e}"))?;
+    read_until(stream, &mut len, deadline).map_err(|e| format!("reading message length: {e}"))?;
     let len = u32::from_le_bytes(len) as usize;
     if len > MAX_MESSAGE {
         return Err(format!(
@@ -99,16 +138,34 @@ pub(crate) fn recv_message(stream: &mut TcpStream) -> std::result::Result<Vec<u8
         ));
     }
     let mut body = vec![0u8; len];
-    stream
-        .read_exact(&mut body)
+    read_until(stream, &mut body, deadline)
         .map_err(|e| format!("reading {len}-byte message: {e}"))?;
     Ok(body)
 }
 
-/// The sender's half of the handshake on a new side-channel connection to `peer`: sends
-/// `hello`, returns the stream (read timeout cleared) and the receiver's Welcome; a refusal is
-/// [`Error::Refused`] with the receiver's reason.
-pub(crate) fn client_handshake(peer: &str, hello: &Hello) -> Result<(TcpStream, Welcome)> {
+/// Fresh random bytes from the operating system (nonces, session ids).
+pub fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    // The OS random source does not fail on Linux once booted; if it ever did, a handshake with
+    // a predictable nonce must not happen.
+    getrandom::fill(&mut b).expect("the operating system's random source failed");
+    b
+}
+
+/// The sender's half of the handshake on a new side-channel connection to `peer`: Hello,
+/// Challenge, Proof, Welcome (see [`crate::proto::handshake`]). Returns the stream (read timeout
+/// cleared) and the receiver's Welcome, whose values the decoder has already bounded. A refusal
+/// is [`Error::Refused`] with the receiver's reason (escaped: it is the peer's text); a receiver
+/// that asks for a key this sender lacks, or that cannot prove it knows this sender's key, is
+/// [`Error::Auth`].
+///
+/// Public for tools and tests that speak the tcp data path themselves (with `hello.data_path`
+/// set to [`DataPath::Tcp`], the stream then carries operations as docs/protocol.md lays out).
+pub fn client_handshake(
+    peer: &str,
+    hello: &Hello,
+    key: Option<&Key>,
+) -> Result<(TcpStream, Welcome)> {
     let connect_err = |source| Error::Connect {
         peer: peer.to_string(),
         source,
@@ -121,18 +178,65 @@ pub(crate) fn client_handshake(peer: &str, hello: &Hello) -> Result<(TcpStream, 
         peer: peer.to_string(),
         reason,
     };
-    stream
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(|e| hs_err(e.to_string()))?;
-    send_message(&mut stream, &hello.encode())
-        .map_err(|e| hs_err(format!("sending hello: {e}")))?;
-    let body = recv_message(&mut stream).map_err(hs_err)?;
-    let welcome = Welcome::decode(&body).map_err(|e| hs_err(format!("bad welcome: {e}")))?;
-    if !welcome.error.is_empty() {
-        return Err(Error::Refused {
-            peer: peer.to_string(),
-            reason: welcome.error,
+    let auth_err = |reason: String| Error::Auth {
+        peer: peer.to_string(),
+        reason,
+    };
+    let refused = |w: Welcome| Error::Refused {
+        peer: peer.to_string(),
+        reason: logsafe::clean(&w.error, logsafe::MAX_PEER_TEXT),
+    };
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let hello = Hello {
+        nonce: random_bytes(),
+        ..hello.clone()
+    };
+    let hello_bytes = hello.encode();
+    send_message(&mut stream, &hello_bytes).map_err(|e| hs_err(format!("sending hello: {e}")))?;
+    let body = recv_message(&mut stream, deadline).map_err(hs_err)?;
+    if let Ok(w) = Welcome::decode(&body) {
+        return Err(if w.error.is_empty() {
+            hs_err("welcome before the challenge".into())
+        } else {
+            refused(w)
         });
+    }
+    let challenge = Challenge::decode(&body).map_err(|e| hs_err(format!("bad challenge: {e}")))?;
+    let mac = match (challenge.auth, key) {
+        (AuthKind::HmacSha256, Some(k)) => k.sender_proof(&hello_bytes, &body),
+        (AuthKind::HmacSha256, None) => {
+            return Err(auth_err(format!(
+                "the receiver requires a key for sender '{}': set `key_file` (or `key`)",
+                hello.sender
+            )));
+        }
+        (AuthKind::None, Some(_)) => {
+            return Err(auth_err(format!(
+                "the receiver does not authenticate (it has no key for sender '{}'), so it                  cannot prove it is the receiver this sender's key is for; refusing to stream to it",
+                hello.sender
+            )));
+        }
+        (AuthKind::None, None) => [0; PROOF_LEN],
+    };
+    let proof = Proof {
+        version: PROTOCOL_VERSION,
+        mac,
+    };
+    send_message(&mut stream, &proof.encode())
+        .map_err(|e| hs_err(format!("sending proof: {e}")))?;
+    let welcome_bytes = recv_message(&mut stream, deadline).map_err(hs_err)?;
+    let welcome =
+        Welcome::decode(&welcome_bytes).map_err(|e| hs_err(format!("bad welcome: {e}")))?;
+    if !welcome.error.is_empty() {
+        return Err(refused(welcome));
+    }
+    if let Some(k) = key
+        && !k.check_welcome(&hello_bytes, &body, &welcome)
+    {
+        return Err(auth_err(
+            "the receiver could not prove it knows this sender's key; refusing to stream to it"
+                .into(),
+        ));
     }
     stream
         .set_read_timeout(None)
@@ -140,58 +244,188 @@ pub(crate) fn client_handshake(peer: &str, hello: &Hello) -> Result<(TcpStream, 
     Ok((stream, welcome))
 }
 
-/// Refuses a connection: logs why with the peer, answers with a refusal, closes.
-pub(crate) fn refuse(stream: &mut TcpStream, peer: &str, why: String) -> Refusal {
-    tracing::warn!(%peer, "rejected connection: {why}");
+/// Refuses a connection: logs why with the peer (rate-limited), answers with a refusal, closes.
+pub(crate) fn refuse(
+    stream: &mut TcpStream,
+    peer: &str,
+    kind: RefusalKind,
+    why: String,
+) -> Refusal {
+    crate::warn_limited!(
+        format!("refused-{kind}"),
+        "refused connection from {peer} ({kind}): {}",
+        logsafe::clean(&why, logsafe::MAX_PEER_TEXT)
+    );
     let _ = send_message(stream, &Welcome::refusal(why.clone()).encode());
     let _ = stream.shutdown(Shutdown::Both);
     Refusal {
         peer: peer.to_string(),
         why,
+        kind,
     }
 }
 
-/// A sender that went away after its Hello was accepted, before the handshake completed.
+/// A sender that went away after it was admitted, before the handshake completed.
 pub(crate) fn lost(peer: &str, sender: &str, e: impl std::fmt::Display) -> Refusal {
     let why = format!("sender '{sender}' closed the connection during the handshake: {e}");
-    tracing::warn!(%peer, "{why}");
+    crate::warn_limited!("refused-lost", "{peer}: {why}");
     Refusal {
         peer: peer.to_string(),
         why,
+        kind: RefusalKind::Lost,
     }
 }
 
-/// The receiver's first half of the handshake: reads and validates the Hello (format, data
-/// path, token). On any problem the connection is refused and the refusal returned; nothing has
-/// been allocated for it yet. Returns the peer's address too, for logs.
-pub(crate) fn server_hello(
+/// What a receiver's handshake produced: the sender, where it is, its hold on its name, and
+/// whatever the transport built for it.
+pub(crate) struct Admitted<T> {
+    pub hello: Hello,
+    pub peer: String,
+    pub lease: Lease,
+    pub built: T,
+}
+
+/// The receiver's half of the handshake, for every transport that starts on a TCP side channel:
+/// reads and validates the Hello (format, version, data path), challenges the sender, checks its
+/// proof, admits it (name, sender cap), and only then calls `build` to allocate what the
+/// transport needs and produce the Welcome, which it proves and sends. The whole exchange must
+/// finish within [`HANDSHAKE_TIMEOUT`]. On any problem the connection is refused and the refusal
+/// returned; nothing is allocated before the sender proved its key.
+pub(crate) fn server_handshake<T>(
     stream: &mut TcpStream,
     settings: &RegionSettings,
     path: DataPath,
     wrong_path: &str,
-) -> std::result::Result<(Hello, String), Refusal> {
+    build: impl FnOnce(&Hello, &Lease) -> std::result::Result<(Welcome, T), (RefusalKind, String)>,
+) -> std::result::Result<Admitted<T>, Refusal> {
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
         .unwrap_or_else(|_| "unknown peer".into());
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = stream.set_nodelay(true);
-    let hello = recv_message(stream).and_then(|b| Hello::decode(&b).map_err(|e| e.to_string()));
-    let hello = match hello {
+    let hello_bytes = match recv_message(stream, deadline) {
+        Ok(b) => b,
+        Err(e) => {
+            return Err(refuse(
+                stream,
+                &peer,
+                RefusalKind::BadHandshake,
+                format!("bad handshake: {e}"),
+            ));
+        }
+    };
+    let hello = match Hello::decode(&hello_bytes) {
         Ok(h) => h,
-        Err(e) => return Err(refuse(stream, &peer, format!("bad handshake: {e}"))),
+        Err(e) => {
+            if let Some(v) = claimed_version(&hello_bytes).filter(|&v| v < PROTOCOL_VERSION) {
+                // An older sender: answer in the layout it reads, so its user sees why.
+                let why = format!(
+                    "protocol version {v} is not supported: this receiver speaks version                      {PROTOCOL_VERSION}; upgrade the sender"
+                );
+                crate::warn_limited!("refused-version", "refused connection from {peer}: {why}");
+                let _ = send_message(stream, &Welcome::encode_v1_refusal(&why));
+                let _ = stream.shutdown(Shutdown::Both);
+                return Err(Refusal {
+                    peer,
+                    why,
+                    kind: RefusalKind::Version,
+                });
+            }
+            let kind = if matches!(e, crate::proto::handshake::HandshakeError::BadVersion(_)) {
+                RefusalKind::Version
+            } else {
+                RefusalKind::BadHandshake
+            };
+            return Err(refuse(stream, &peer, kind, format!("bad handshake: {e}")));
+        }
     };
     if hello.data_path != path {
-        return Err(refuse(stream, &peer, wrong_path.to_string()));
-    }
-    if let Err(why) = check_hello(&hello, settings) {
         return Err(refuse(
             stream,
             &peer,
-            format!("sender '{}': {why}", hello.sender),
+            RefusalKind::WrongTransport,
+            wrong_path.to_string(),
         ));
     }
-    Ok((hello, peer))
+    let keys = settings.access.keys();
+    let challenge = Challenge {
+        version: PROTOCOL_VERSION,
+        auth: if keys.is_anonymous() {
+            AuthKind::None
+        } else {
+            AuthKind::HmacSha256
+        },
+        nonce: random_bytes(),
+    };
+    let challenge_bytes = challenge.encode();
+    if let Err(e) = send_message(stream, &challenge_bytes) {
+        return Err(lost(&peer, &hello.sender, e));
+    }
+    let proof = match recv_message(stream, deadline)
+        .and_then(|b| Proof::decode(&b).map_err(|e| e.to_string()))
+    {
+        Ok(p) => p,
+        Err(e) => {
+            return Err(refuse(
+                stream,
+                &peer,
+                RefusalKind::BadHandshake,
+                format!("sender '{}': bad proof: {e}", hello.sender),
+            ));
+        }
+    };
+    let key = if keys.is_anonymous() {
+        None
+    } else {
+        // A name without a key fails exactly like a wrong key: no telling which names exist.
+        match keys.key_for(&hello.sender) {
+            Some(k) if k.check_sender_proof(&hello_bytes, &challenge_bytes, &proof.mac) => {
+                Some(k.clone())
+            }
+            _ => {
+                return Err(refuse(
+                    stream,
+                    &peer,
+                    RefusalKind::Authentication,
+                    format!(
+                        "sender '{}': authentication failed (wrong or missing key, or a replayed handshake)",
+                        hello.sender
+                    ),
+                ));
+            }
+        }
+    };
+    let lease = match settings.access.admit(&hello, &peer) {
+        Ok(l) => l,
+        Err((kind, why)) => return Err(refuse(stream, &peer, kind, why)),
+    };
+    let (mut welcome, built) = match build(&hello, &lease) {
+        Ok(b) => b,
+        Err((kind, why)) => {
+            return Err(refuse(
+                stream,
+                &peer,
+                kind,
+                format!("sender '{}': {why}", hello.sender),
+            ));
+        }
+    };
+    if let Some(k) = &key {
+        k.prove_welcome(&hello_bytes, &challenge_bytes, &mut welcome);
+    }
+    if let Err(e) = send_message(stream, &welcome.encode()) {
+        return Err(lost(&peer, &hello.sender, e));
+    }
+    if let Err(e) = stream.set_read_timeout(None) {
+        return Err(lost(&peer, &hello.sender, e));
+    }
+    Ok(Admitted {
+        hello,
+        peer,
+        lease,
+        built,
+    })
 }
 
 pub(crate) fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
@@ -203,12 +437,23 @@ pub(crate) fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
 /// Connects senders to a receiver over TCP.
 pub struct TcpConnector {
     addr: String,
+    peer_timeout: Duration,
 }
 
 impl TcpConnector {
     /// A connector to `host:port`.
     pub fn new(addr: impl Into<String>) -> TcpConnector {
-        TcpConnector { addr: addr.into() }
+        TcpConnector {
+            addr: addr.into(),
+            peer_timeout: super::DEFAULT_PEER_TIMEOUT,
+        }
+    }
+
+    /// Gives a connection up when the receiver has not answered for `timeout` (heartbeats
+    /// go out at a fifth of it when the link is idle).
+    pub fn with_peer_timeout(mut self, timeout: Duration) -> TcpConnector {
+        self.peer_timeout = timeout;
+        self
     }
 }
 
@@ -219,13 +464,18 @@ impl Connector for TcpConnector {
     fn peer(&self) -> String {
         self.addr.clone()
     }
-    fn connect(&self, hello: &Hello, blocks: &Arc<SendBlocks>) -> Result<Box<dyn Connection>> {
+    fn connect(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn Connection>> {
         let peer = self.addr.clone();
         let hello = Hello {
             data_path: DataPath::Tcp,
             ..hello.clone()
         };
-        let (stream, welcome) = client_handshake(&peer, &hello)?;
+        let (stream, welcome) = client_handshake(&peer, &hello, key)?;
         let connect_err = |source| Error::Connect {
             peer: peer.clone(),
             source,
@@ -234,14 +484,39 @@ impl Connector for TcpConnector {
             blocks: welcome.blocks as usize,
             block_size: welcome.block_size as usize,
         };
-        let (tx, rx) = crossbeam_channel::unbounded();
+        // Bounded: a receiver that floods acknowledgements is read no faster than the sending
+        // thread takes them.
+        let (tx, rx) = crossbeam_channel::bounded(COMPLETION_QUEUE);
         let read_buffer = Arc::new(Mutex::new(Vec::new()));
+        let expected_read = Arc::new(AtomicUsize::new(NO_READ));
         let reader = stream.try_clone().map_err(connect_err)?;
-        let buf = read_buffer.clone();
-        let reader_peer = peer.clone();
+        let started = Instant::now();
+        let heard = Arc::new(AtomicU64::new(0));
+        let (buf, expected, reader_peer, reader_heard) = (
+            read_buffer.clone(),
+            expected_read.clone(),
+            peer.clone(),
+            heard.clone(),
+        );
         spawn(format!("tcp-completions-{peer}"), move || {
-            completion_reader(reader, reader_peer, tx, buf)
+            completion_reader(
+                reader,
+                reader_peer,
+                tx,
+                buf,
+                expected,
+                (started, reader_heard),
+            )
         })?;
+        // A write that cannot get out for a whole peer timeout (the link is down, the receiver
+        // stopped reading) fails the connection instead of blocking the sending thread, so a
+        // stop or a reconnect is never held up by a dead link.
+        stream
+            .set_write_timeout(Some(self.peer_timeout))
+            .map_err(|e| Error::Disconnected {
+                peer: peer.clone(),
+                reason: e.to_string(),
+            })?;
         Ok(Box::new(TcpConnection {
             peer,
             layout,
@@ -250,20 +525,35 @@ impl Connector for TcpConnector {
             blocks: blocks.clone(),
             completions: rx,
             read_buffer,
+            expected_read,
+            started,
+            heard,
+            nop_sent: started,
+            peer_timeout: self.peer_timeout,
         }))
     }
 }
+
+/// Completions queued between the reading thread and the sending thread at most.
+const COMPLETION_QUEUE: usize = 4096;
+/// `expected_read` when no READ is outstanding.
+const NO_READ: usize = usize::MAX;
 
 enum Event {
     Done(Completion),
     Failed(String),
 }
 
+/// Reads the receiver's answers. Nothing the receiver says is trusted: a READ response must be
+/// exactly as long as the READ that is outstanding, error texts are cut and escaped, and any
+/// other operation ends the connection.
 fn completion_reader(
     stream: TcpStream,
     peer: String,
     tx: Sender<Event>,
     read_buffer: Arc<Mutex<Vec<u8>>>,
+    expected_read: Arc<AtomicUsize>,
+    (started, heard): (Instant, Arc<AtomicU64>),
 ) {
     let mut r = BufReader::with_capacity(16 * 1024, stream);
     let fail = |tx: &Sender<Event>, why: String| {
@@ -274,11 +564,29 @@ fn completion_reader(
         if let Err(e) = r.read_exact(&mut hb) {
             return fail(&tx, format!("receiver closed the connection ({e})"));
         }
+        heard.store(started.elapsed().as_millis() as u64, Ordering::Release);
         let h = OpHeader::decode(&hb);
         match h.op {
+            // The answer to a heartbeat: the receiver is alive; nothing completes.
+            OP_ACK if h.wr_id == NOP_WR_ID => continue,
             OP_ACK => {}
             OP_READ_RESP => {
-                let mut data = vec![0u8; h.len as usize];
+                let want = expected_read.swap(NO_READ, Ordering::AcqRel);
+                if want == NO_READ || h.len as usize != want {
+                    return fail(
+                        &tx,
+                        format!(
+                            "protocol error from {peer}: a READ response of {} bytes where {} were asked for",
+                            h.len,
+                            if want == NO_READ {
+                                "none".to_string()
+                            } else {
+                                want.to_string()
+                            }
+                        ),
+                    );
+                }
+                let mut data = vec![0u8; want];
                 if let Err(e) = r.read_exact(&mut data) {
                     return fail(&tx, format!("reading READ response: {e}"));
                 }
@@ -289,7 +597,10 @@ fn completion_reader(
                 let _ = r.read_exact(&mut text);
                 return fail(
                     &tx,
-                    format!("remote access error: {}", String::from_utf8_lossy(&text)),
+                    format!(
+                        "remote access error: {}",
+                        logsafe::clean_bytes(&text, logsafe::MAX_PEER_TEXT)
+                    ),
                 );
             }
             other => {
@@ -315,6 +626,14 @@ pub struct TcpConnection {
     blocks: Arc<SendBlocks>,
     completions: Receiver<Event>,
     read_buffer: Arc<Mutex<Vec<u8>>>,
+    /// Length of the READ outstanding (`NO_READ`: none), for the completion reader's check.
+    expected_read: Arc<AtomicUsize>,
+    /// When the receiver was last heard from (ms since `started`), and when the last
+    /// heartbeat went out.
+    started: Instant,
+    heard: Arc<AtomicU64>,
+    nop_sent: Instant,
+    peer_timeout: Duration,
 }
 
 impl TcpConnection {
@@ -420,6 +739,7 @@ impl Connection for TcpConnection {
         Ok(())
     }
     fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()> {
+        self.expected_read.store(len, Ordering::Release);
         let h = OpHeader {
             op: OP_READ,
             target: remote.target as u8,
@@ -446,6 +766,34 @@ impl Connection for TcpConnection {
     fn read_buffer(&self) -> Vec<u8> {
         self.read_buffer.lock().clone()
     }
+
+    fn heartbeat(&mut self) -> Result<()> {
+        let now = self.started.elapsed();
+        let heard = Duration::from_millis(self.heard.load(Ordering::Acquire));
+        let interval = super::heartbeat_interval(self.peer_timeout);
+        if now.saturating_sub(heard) >= self.peer_timeout
+            && self.nop_sent.elapsed() < now.saturating_sub(heard)
+        {
+            return Err(self.lost(format!(
+                "no answer from the receiver for {:.1} s (peer timeout)",
+                now.saturating_sub(heard).as_secs_f64()
+            )));
+        }
+        if self.nop_sent.elapsed() >= interval {
+            self.nop_sent = Instant::now();
+            let h = OpHeader {
+                op: OP_NOP,
+                target: 0,
+                signaled: true,
+                len: 0,
+                offset: 0,
+                wr_id: NOP_WR_ID,
+            };
+            self.pending.extend_from_slice(&h.encode());
+            self.flush()?;
+        }
+        Ok(())
+    }
 }
 
 /// The receiver's listening side of a transport whose connections start on a TCP side channel
@@ -470,11 +818,68 @@ const ACCEPT_POLL: Duration = Duration::from_millis(5);
 
 /// Handshakes in progress at most (each on its own thread, for up to `HANDSHAKE_TIMEOUT`);
 /// connections beyond are closed at once.
-const MAX_HANDSHAKES: usize = 64;
+pub const MAX_HANDSHAKES: usize = 64;
+/// Handshakes in progress from one remote address at most: one machine trickling bytes into
+/// slow handshakes cannot take every slot.
+pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 4;
+
+/// Handshakes in progress, in all and per remote address.
+#[derive(Default)]
+struct InProgress {
+    total: usize,
+    per_address: std::collections::HashMap<std::net::IpAddr, usize>,
+}
+
+/// A handshake slot, given back when dropped (also when the handshake thread panics).
+struct Slot {
+    table: Arc<Mutex<InProgress>>,
+    ip: std::net::IpAddr,
+}
+
+impl Slot {
+    /// Takes a slot for a connection from `ip`, or says why not.
+    fn take(
+        table: &Arc<Mutex<InProgress>>,
+        ip: std::net::IpAddr,
+    ) -> std::result::Result<Slot, String> {
+        let mut t = table.lock();
+        if t.total >= MAX_HANDSHAKES {
+            return Err(format!(
+                "closed at once: {MAX_HANDSHAKES} handshakes already in progress"
+            ));
+        }
+        let n = t.per_address.entry(ip).or_insert(0);
+        if *n >= MAX_HANDSHAKES_PER_ADDRESS {
+            return Err(format!(
+                "closed at once: {MAX_HANDSHAKES_PER_ADDRESS} handshakes from {ip} already in progress"
+            ));
+        }
+        *n += 1;
+        t.total += 1;
+        Ok(Slot {
+            table: table.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut t = self.table.lock();
+        t.total -= 1;
+        if let Some(n) = t.per_address.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                t.per_address.remove(&self.ip);
+            }
+        }
+    }
+}
 
 impl SideChannelListener {
     /// Binds `addr` and accepts on it in a thread named after `transport` until dropped; each
-    /// connection (blocking again) goes to `handshake` on a thread of its own.
+    /// connection (blocking again) goes to `handshake` on a thread of its own, within the
+    /// handshake limits above.
     pub(crate) fn bind(
         transport: &'static str,
         addr: &str,
@@ -492,36 +897,33 @@ impl SideChannelListener {
         let handshake = Arc::new(handshake);
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
-        let handshakes = Arc::new(AtomicUsize::new(0));
+        let in_progress = Arc::new(Mutex::new(InProgress::default()));
         let thread_name = format!("{transport}-accept");
         let thread = spawn(thread_name, move || {
             while !stopping.load(Ordering::Acquire) {
                 match listener.accept() {
                     Ok((stream, peer)) => {
-                        if handshakes.load(Ordering::Acquire) >= MAX_HANDSHAKES {
-                            // A flood of idle connections must not become a flood of threads.
-                            tracing::debug!(%peer, "too many handshakes in progress; closed");
-                            let _ = refused_tx.try_send(Refusal {
-                                peer: peer.to_string(),
-                                why: format!(
-                                    "closed at once: {MAX_HANDSHAKES} handshakes already in progress"
-                                ),
-                            });
-                            continue;
-                        }
+                        let slot = match Slot::take(&in_progress, peer.ip()) {
+                            Ok(s) => s,
+                            Err(why) => {
+                                // A flood of idle connections must not become a flood of threads.
+                                crate::warn_limited!("handshake-slots", "{peer}: {why}");
+                                let _ = refused_tx.try_send(Refusal {
+                                    peer: peer.to_string(),
+                                    why,
+                                    kind: RefusalKind::HandshakeLimit,
+                                });
+                                continue;
+                            }
+                        };
                         if stream.set_nonblocking(false).is_err() {
                             continue;
                         }
-                        let (handshake, accepted_tx, refused_tx, handshakes) = (
-                            handshake.clone(),
-                            accepted_tx.clone(),
-                            refused_tx.clone(),
-                            handshakes.clone(),
-                        );
-                        handshakes.fetch_add(1, Ordering::AcqRel);
-                        let _ = spawn(format!("{transport}-handshake"), move || {
+                        let (handshake, accepted_tx, refused_tx) =
+                            (handshake.clone(), accepted_tx.clone(), refused_tx.clone());
+                        let spawned = spawn(format!("{transport}-handshake"), move || {
                             let result = handshake(stream);
-                            handshakes.fetch_sub(1, Ordering::AcqRel);
+                            drop(slot);
                             match result {
                                 Ok(a) => {
                                     let _ = accepted_tx.send(a);
@@ -532,13 +934,16 @@ impl SideChannelListener {
                                 }
                             }
                         });
+                        if let Err(e) = spawned {
+                            crate::warn_limited!("handshake-thread", "{peer}: {e}");
+                        }
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         std::thread::sleep(ACCEPT_POLL)
                     }
                     Err(e) => {
                         // Out of descriptors and the like: say so, keep serving.
-                        tracing::debug!("accept failed: {e}");
+                        crate::warn_limited!("accept", "accept failed: {e}");
                         std::thread::sleep(ACCEPT_POLL);
                     }
                 }
@@ -585,70 +990,124 @@ pub fn listen(addr: &str, settings: RegionSettings) -> Result<SideChannelListene
     SideChannelListener::bind("tcp", addr, move |stream| handshake(stream, &settings))
 }
 
-/// Runs the receiver's half of the handshake. On any problem logs one line naming the peer,
-/// closes the connection and returns why; nothing is allocated before the Hello is valid.
+/// Runs the receiver's half of the handshake, then gives the sender a region (its memory
+/// reserved from the budget) and a thread that plays the NIC for its connection.
 fn handshake(
     mut stream: TcpStream,
     settings: &RegionSettings,
 ) -> std::result::Result<Accepted, Refusal> {
-    let (hello, peer) = server_hello(
+    let admitted = server_handshake(
         &mut stream,
         settings,
         DataPath::Tcp,
         "this receiver speaks the tcp transport only",
+        |_, _| {
+            let memory = settings.reserve_region()?;
+            let region = SoftRegion::with_reservation(settings, Some(memory.region));
+            let welcome = Welcome {
+                blocks: settings.blocks as u32,
+                block_size: settings.block_size as u32,
+                ..Welcome::refusal("")
+            };
+            Ok((welcome, (region, memory.reassembly)))
+        },
     )?;
-    let region = SoftRegion::new(settings);
-    let welcome = Welcome {
-        blocks: settings.blocks as u32,
-        block_size: settings.block_size as u32,
-        ..Welcome::refusal("")
-    };
-    if let Err(e) = send_message(&mut stream, &welcome.encode()) {
-        return Err(lost(&peer, &hello.sender, e));
-    }
-    if let Err(e) = stream.set_read_timeout(None) {
-        return Err(lost(&peer, &hello.sender, e));
-    }
+    let Admitted {
+        hello,
+        peer,
+        lease,
+        built: (region, memory),
+    } = admitted;
     if let Ok(link) = stream.try_clone() {
         region.attach_link(link);
     }
     let nic_region = region.clone();
     let nic_peer = peer.clone();
+    let nic_timeout = settings.peer_timeout;
     spawn(format!("tcp-nic-{}", hello.sender), move || {
-        if let Err(why) = emulate_nic(stream, &nic_region) {
-            tracing::debug!(peer = %nic_peer, "connection ended: {why}");
+        // Whatever ends this thread (the peer, an access error, a panic), the region is marked
+        // closed, so its polling thread finishes it and frees it.
+        let _close = CloseOnDrop(&nic_region);
+        if let Err(why) = emulate_nic(stream, &nic_region, nic_timeout) {
+            let why = logsafe::clean(&why, logsafe::MAX_PEER_TEXT);
+            if why.contains("peer timeout") {
+                // A half-open connection: the operator should know the peer vanished.
+                crate::warn_limited!("peer-timeout", "connection from {nic_peer} ended: {why}");
+            } else {
+                tracing::debug!(peer = %nic_peer, "connection ended: {why}");
+            }
         }
-        nic_region.close();
     })
     .map_err(|e| {
         let why = format!("sender '{}': {e}", hello.sender);
-        tracing::warn!(%peer, "dropped connection: {why}");
+        crate::warn_limited!("nic-thread", "dropped connection from {peer}: {why}");
         Refusal {
             peer: peer.clone(),
             why,
+            kind: RefusalKind::Resources,
         }
     })?;
+    let region: Arc<dyn super::Region> = region;
+    lease.attach(&region);
     Ok(Accepted {
         hello,
         peer,
         region,
+        lease,
+        memory,
     })
 }
 
+/// Closes a region when dropped: on every way out of a NIC thread, unwinding included.
+struct CloseOnDrop<'a>(&'a SoftRegion);
+
+impl Drop for CloseOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.disconnect();
+    }
+}
+
 /// Plays the NIC for one connection until it ends.
-fn emulate_nic(stream: TcpStream, region: &SoftRegion) -> std::result::Result<(), String> {
+fn emulate_nic(
+    stream: TcpStream,
+    region: &SoftRegion,
+    peer_timeout: Duration,
+) -> std::result::Result<(), String> {
+    // A live sender sends heartbeats when it has nothing else to send: silence this long means
+    // it (or the link) is gone, although no FIN or RST came (a half-open connection).
+    stream
+        .set_read_timeout(Some(peer_timeout))
+        .map_err(|e| e.to_string())?;
     let mut out =
         BufWriter::with_capacity(16 * 1024, stream.try_clone().map_err(|e| e.to_string())?);
     let mut r = BufReader::with_capacity(256 * 1024, stream);
+    serve_requests(&mut r, &mut out, region, peer_timeout)
+}
+
+/// Applies the requests (WRITE, READ, heartbeat) read from `r` to `region` and writes the
+/// replies to `out`, until the stream ends or a request is refused. Every field of a request
+/// comes from the peer and is checked by the region before it is used.
+fn serve_requests<R: Read, W: Write>(
+    r: &mut BufReader<R>,
+    out: &mut W,
+    region: &SoftRegion,
+    peer_timeout: Duration,
+) -> std::result::Result<(), String> {
     loop {
         let mut hb = [0u8; OP_HEADER];
         if let Err(e) = r.read_exact(&mut hb) {
             let _ = out.flush();
-            return Err(format!("sender closed the connection ({e})"));
+            return Err(match e.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+                    "sender silent for {:.1} s (peer timeout): gone",
+                    peer_timeout.as_secs_f64()
+                ),
+                _ => format!("sender closed the connection ({e})"),
+            });
         }
         let h = OpHeader::decode(&hb);
         let target = target_of(h.target);
-        let access_error = |out: &mut BufWriter<TcpStream>, why: String| {
+        let access_error = |out: &mut W, why: String| {
             let reply = OpHeader {
                 op: OP_ERROR,
                 target: 0,
@@ -664,12 +1123,20 @@ fn emulate_nic(stream: TcpStream, region: &SoftRegion) -> std::result::Result<()
             Err(format!("remote access error: {why}"))
         };
         match (h.op, target) {
+            (OP_NOP, _) => {
+                let ack = OpHeader {
+                    op: OP_ACK,
+                    len: 0,
+                    ..h
+                };
+                out.write_all(&ack.encode()).map_err(|e| e.to_string())?;
+            }
             (OP_WRITE, Some(target)) => {
                 let len = h.len as usize;
                 match region.write_with(target, h.offset, len, |dst| r.read_exact(dst)) {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => return Err(format!("reading WRITE data: {e}")),
-                    Err(e) => return access_error(&mut out, e.0),
+                    Err(e) => return access_error(out, e.0),
                 }
                 if h.signaled {
                     let ack = OpHeader {
@@ -690,11 +1157,11 @@ fn emulate_nic(stream: TcpStream, region: &SoftRegion) -> std::result::Result<()
                         .and_then(|_| out.write_all(&data))
                         .map_err(|e| e.to_string())?;
                 }
-                Err(e) => return access_error(&mut out, e.0),
+                Err(e) => return access_error(out, e.0),
             },
             _ => {
                 return access_error(
-                    &mut out,
+                    out,
                     format!("unknown operation {} on target {}", h.op, h.target),
                 );
             }
@@ -703,5 +1170,21 @@ fn emulate_nic(stream: TcpStream, region: &SoftRegion) -> std::result::Result<()
         if r.buffer().is_empty() {
             out.flush().map_err(|e| e.to_string())?;
         }
+    }
+}
+
+/// Entry points for `fuzz/` (feature `fuzzing`): the tcp NIC's request decoder on raw bytes.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    use super::*;
+
+    /// Feeds `input` to a NIC thread serving `region` as if a peer had sent it; returns what
+    /// the NIC answered and how the connection ended.
+    pub fn serve(region: &SoftRegion, input: &[u8]) -> (Vec<u8>, std::result::Result<(), String>) {
+        let mut r = BufReader::new(input);
+        let mut out = Vec::new();
+        let end = serve_requests(&mut r, &mut out, region, Duration::from_secs(1));
+        (out, end)
     }
 }

@@ -27,13 +27,14 @@ use self::ibv::{
     AccessFlags, CompletionQueue, ConnectedQp, Context, Gid, MemoryRegion, ProtectionDomain,
     QpCaps, QpConfig, QpEndpoint,
 };
-use super::tcp::{SideChannelListener, client_handshake, lost, refuse, send_message, server_hello};
+use super::tcp::{Admitted, SideChannelListener, client_handshake, server_handshake};
 use super::{
-    Accepted, Completion, Connection, Connector, HeldBytes, Refusal, Region, RegionSettings,
-    RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource, WriteWr,
+    Accepted, Completion, Connection, Connector, HeldBytes, Refusal, RefusalKind, Region,
+    RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource,
+    WriteWr,
 };
 use crate::error::{Error, Result, spawn};
-use crate::proto::handshake::{DataPath, Hello, QpInfo, Welcome};
+use crate::proto::handshake::{DataPath, Hello, Key, QpInfo, Welcome};
 use crate::proto::{RemoteLayout, status};
 
 /// Work requests this process posted (RDMA WRITEs and READs). A receiver reports it: it must
@@ -169,6 +170,7 @@ pub struct VerbsConnector {
     ctx: Context,
     pd: ProtectionDomain,
     max_outstanding: usize,
+    peer_timeout: Duration,
 }
 
 impl VerbsConnector {
@@ -188,7 +190,15 @@ impl VerbsConnector {
             ctx,
             pd,
             max_outstanding: max_outstanding.max(1),
+            peer_timeout: super::DEFAULT_PEER_TIMEOUT,
         })
+    }
+
+    /// Gives a connection up when the receiver's side channel has been silent for `timeout`
+    /// (both ends send a heartbeat byte on it at a fifth of that).
+    pub fn with_peer_timeout(mut self, timeout: Duration) -> VerbsConnector {
+        self.peer_timeout = timeout;
+        self
     }
 }
 
@@ -224,7 +234,12 @@ impl Connector for VerbsConnector {
         ))
     }
 
-    fn connect(&self, hello: &Hello, blocks: &Arc<SendBlocks>) -> Result<Box<dyn Connection>> {
+    fn connect(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn Connection>> {
         let peer = self.addr.clone();
         let send_mr = blocks
             .registration()
@@ -261,7 +276,7 @@ impl Connector for VerbsConnector {
             qp: qp_info(&qp.handshake_info()),
             ..hello.clone()
         };
-        let (side, welcome) = client_handshake(&peer, &hello)?;
+        let (side, welcome) = client_handshake(&peer, &hello, key)?;
         let qp = qp
             .connect(&endpoint(&welcome.qp))
             .map_err(|e| rdma_err(format!("connecting the queue pair to {peer}"), e))?;
@@ -291,6 +306,9 @@ impl Connector for VerbsConnector {
             cache,
             side,
             side_checked: Instant::now(),
+            side_heard: Instant::now(),
+            side_sent: Instant::now(),
+            peer_timeout: self.peer_timeout,
             polled: vec![ibv::Completion::default(); 16],
         }))
     }
@@ -309,6 +327,10 @@ pub struct VerbsConnection {
     cache: MemoryRegion,
     side: TcpStream,
     side_checked: Instant,
+    /// When the receiver's last heartbeat byte came, and this side's last went out.
+    side_heard: Instant,
+    side_sent: Instant,
+    peer_timeout: Duration,
     polled: Vec<ibv::Completion>,
 }
 
@@ -333,19 +355,38 @@ impl VerbsConnection {
         }
     }
 
-    /// Checks (at most every 50 ms) that the receiver still holds the side channel open.
+    /// Checks (at most every 50 ms) that the receiver still holds the side channel open and
+    /// has sent a heartbeat within the peer timeout; sends this side's heartbeat when due.
     fn check_side_channel(&mut self) -> Result<()> {
         if self.side_checked.elapsed() < Duration::from_millis(50) {
             return Ok(());
         }
         self.side_checked = Instant::now();
-        let mut byte = [0u8; 1];
-        match self.side.peek(&mut byte) {
-            Ok(0) => Err(self.lost("the receiver closed the side channel")),
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
-            Err(e) => Err(self.lost(format!("side channel: {e}"))),
+        let mut bytes = [0u8; 64];
+        loop {
+            match std::io::Read::read(&mut self.side, &mut bytes) {
+                Ok(0) => return Err(self.lost("the receiver closed the side channel")),
+                Ok(_) => self.side_heard = Instant::now(),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.lost(format!("side channel: {e}"))),
+            }
         }
+        if self.side_heard.elapsed() >= self.peer_timeout {
+            return Err(self.lost(format!(
+                "no heartbeat from the receiver for {:.1} s (peer timeout)",
+                self.side_heard.elapsed().as_secs_f64()
+            )));
+        }
+        if self.side_sent.elapsed() >= super::heartbeat_interval(self.peer_timeout) {
+            self.side_sent = Instant::now();
+            match std::io::Write::write(&mut self.side, &[0]) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(self.lost(format!("side channel: {e}"))),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -438,6 +479,10 @@ impl Connection for VerbsConnection {
             .map(|b| b.load(Ordering::Acquire))
             .collect()
     }
+
+    fn heartbeat(&mut self) -> Result<()> {
+        self.check_side_channel()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -454,6 +499,8 @@ pub struct VerbsRegion {
     retained: AtomicUsize,
     /// The side channel, to end the connection on [`Region::disconnect`].
     side: Mutex<Option<TcpStream>>,
+    /// This region's share of the receiver's memory budget.
+    _reservation: crate::proto::Reservation,
     _qp: ConnectedQp,
     _cq: CompletionQueue,
     _pd: ProtectionDomain,
@@ -516,6 +563,9 @@ impl Region for VerbsRegion {
         self.retained.fetch_sub(1, Ordering::Relaxed);
         self.set_status(j, status::EMPTY);
     }
+    fn abandon(&self, _j: usize) {
+        self.retained.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 struct VerbsHeld {
@@ -544,48 +594,111 @@ pub fn listen(
     })
 }
 
-/// The receiver's half of the handshake. Nothing is allocated or registered before the Hello is
-/// valid; any problem is logged with the peer and answered with a refusal.
+/// The receiver's half of the handshake. Nothing is allocated or registered before the sender
+/// proved its key and was admitted; any problem is logged with the peer and answered with a
+/// refusal.
 fn handshake(
     mut side: TcpStream,
     ctx: &Context,
     settings: &RegionSettings,
     verbs: &VerbsSettings,
 ) -> std::result::Result<Accepted, Refusal> {
-    let (hello, peer) = server_hello(
+    let Admitted {
+        hello,
+        peer,
+        lease,
+        built: (region, memory),
+    } = server_handshake(
         &mut side,
         settings,
         DataPath::Verbs,
         "this receiver speaks the verbs transport; set transport = \"verbs\" or \"auto\" on the sender",
+        |hello, _| {
+            build_region(ctx, settings, verbs, hello)
+                .map(|(region, welcome, memory)| (welcome, (region, memory)))
+                .map_err(|e| match e {
+                    Error::Invalid { reason, .. } => (RefusalKind::MemoryBudget, reason),
+                    e => (RefusalKind::Resources, format!("cannot set up RDMA: {e}")),
+                })
+        },
     )?;
-    match build_region(ctx, settings, verbs, &hello) {
-        Ok((region, welcome)) => {
-            if let Err(e) = send_message(&mut side, &welcome.encode()) {
-                return Err(lost(&peer, &hello.sender, e));
-            }
-            let _ = side.set_read_timeout(None);
-            if let Ok(clone) = side.try_clone() {
-                *region.side.lock() = Some(clone);
-            }
-            let watched = region.clone();
-            let name = hello.sender.clone();
-            // The side channel's end is the sender's end: then no more WRITEs will come.
-            let _ = spawn(format!("verbs-watch-{name}"), move || {
-                let mut buf = [0u8; 64];
-                while matches!(std::io::Read::read(&mut side, &mut buf), Ok(n) if n > 0) {}
-                watched.closed.store(true, Ordering::Release);
-            });
-            Ok(Accepted {
-                hello,
-                peer,
-                region,
-            })
+    if let Ok(clone) = side.try_clone() {
+        *region.side.lock() = Some(clone);
+    }
+    let watched = region.clone();
+    let name = hello.sender.clone();
+    let timeout = settings.peer_timeout;
+    // The side channel's end is the sender's end: then no more WRITEs will come. So is its
+    // silence beyond the peer timeout (a dead machine or link leaves no FIN). Heartbeats go
+    // both ways on it.
+    let watcher = spawn(format!("verbs-watch-{name}"), move || {
+        let _closed = MarkClosed(&watched.closed);
+        watch_side_channel(side, timeout, &watched.closed);
+    });
+    if let Err(e) = watcher {
+        region.closed.store(true, Ordering::Release);
+        return Err(Refusal {
+            peer,
+            why: format!("sender '{}': {e}", hello.sender),
+            kind: RefusalKind::Resources,
+        });
+    }
+    let region: Arc<dyn Region> = region;
+    lease.attach(&region);
+    Ok(Accepted {
+        hello,
+        peer,
+        region,
+        lease,
+        memory,
+    })
+}
+
+/// Reads the sender's heartbeats on the side channel and sends the receiver's, until the channel
+/// closes, stays silent for `timeout`, or `closed` is set (the receiver is done).
+fn watch_side_channel(mut side: TcpStream, timeout: Duration, closed: &AtomicBool) {
+    let interval = super::heartbeat_interval(timeout);
+    if side.set_read_timeout(Some(interval)).is_err() {
+        return;
+    }
+    let mut heard = Instant::now();
+    let mut sent = Instant::now();
+    let mut buf = [0u8; 64];
+    while !closed.load(Ordering::Acquire) {
+        match std::io::Read::read(&mut side, &mut buf) {
+            Ok(0) => return,
+            Ok(_) => heard = Instant::now(),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => return,
         }
-        Err(e) => Err(refuse(
-            &mut side,
-            &peer,
-            format!("cannot set up RDMA for sender '{}': {e}", hello.sender),
-        )),
+        if heard.elapsed() >= timeout {
+            tracing::info!(
+                "sender silent on the side channel for {:.1} s (peer timeout): gone",
+                heard.elapsed().as_secs_f64()
+            );
+            return;
+        }
+        if sent.elapsed() >= interval {
+            sent = Instant::now();
+            if std::io::Write::write_all(&mut side, &[0]).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Marks a region closed when dropped: on every way out of its watching thread.
+struct MarkClosed<'a>(&'a AtomicBool);
+
+impl Drop for MarkClosed<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
     }
 }
 
@@ -594,8 +707,12 @@ fn build_region(
     settings: &RegionSettings,
     verbs: &VerbsSettings,
     hello: &Hello,
-) -> Result<(Arc<VerbsRegion>, Welcome)> {
+) -> Result<(Arc<VerbsRegion>, Welcome, Arc<crate::proto::Budget>)> {
     let (n, b) = (settings.blocks, settings.block_size);
+    let memory = settings
+        .reserve_region()
+        .map_err(|(_, why)| Error::invalid("memory_budget", why))?;
+    let (region_memory, reassembly) = (memory.region, memory.reassembly);
     // Each sender gets its own protection domain: its rkeys are useless on any other region.
     let pd = ctx
         .alloc_pd()
@@ -655,9 +772,148 @@ fn build_region(
         closed: AtomicBool::new(false),
         retained: AtomicUsize::new(0),
         side: Mutex::new(None),
+        _reservation: region_memory,
         _qp: qp,
         _cq: cq,
         _pd: pd,
     });
-    Ok((region, welcome))
+    Ok((region, welcome, reassembly))
+}
+
+/// Isolation between senders on real RDMA (Soft-RoCE in `scripts/test-vm.sh`): every sender has
+/// its own protection domain, so another sender's rkey is useless on its queue pair. On a host
+/// without an RDMA device these tests say so and pass without checking anything; the VM runs
+/// them with `RDMASTREAM_TEST_TRANSPORT=verbs`, where they must find the device.
+#[cfg(test)]
+mod isolation_tests {
+    use super::*;
+    use crate::transport::Listener;
+
+    /// A sender speaking the handshake itself, so the test can post what a hostile one would.
+    struct RawSender {
+        qp: ConnectedQp,
+        cq: CompletionQueue,
+        mr: MemoryRegion,
+        welcome: Welcome,
+        _pd: ProtectionDomain,
+    }
+
+    fn raw_sender(ctx: &Context, settings: &VerbsSettings, addr: &str, name: &str) -> RawSender {
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(4).unwrap();
+        let config = QpConfig {
+            port: settings.port,
+            gid_index: settings.gid_index,
+            caps: QpCaps {
+                max_send_wr: 4,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 16,
+            },
+            access: AccessFlags::NONE,
+            ..QpConfig::default()
+        };
+        let qp = pd.create_qp(&cq, &cq, &config).unwrap();
+        let hello = Hello {
+            version: crate::proto::handshake::PROTOCOL_VERSION,
+            sender: name.into(),
+            session: 1,
+            data_path: DataPath::Verbs,
+            qp: qp_info(&qp.handshake_info()),
+            nonce: [0; 32],
+        };
+        let (side, welcome) = client_handshake(addr, &hello, None).unwrap();
+        // The side channel stays open for the connection's life.
+        std::mem::forget(side);
+        let qp = qp.connect(&endpoint(&welcome.qp)).unwrap();
+        let mr = pd.register(64, AccessFlags::NONE).unwrap();
+        RawSender {
+            qp,
+            cq,
+            mr,
+            welcome,
+            _pd: pd,
+        }
+    }
+
+    impl RawSender {
+        /// WRITEs 64 bytes to `addr` with `rkey` and waits for the completion.
+        fn write(&self, addr: u64, rkey: u32) -> ibv::WcStatus {
+            let wr = ibv::WriteWr::region(9, &self.mr, 0, 64, addr, rkey).signaled(true);
+            // SAFETY: `mr` is owned by `self` and not touched by the CPU until the completion
+            // below has been polled (or the deadline passed and the test fails).
+            unsafe { self.qp.post_write_chain(&[wr]) }.unwrap();
+            let mut polled = vec![ibv::Completion::default(); 4];
+            let end = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < end {
+                let n = self.cq.poll(&mut polled).unwrap();
+                if n > 0 {
+                    return polled[0].status;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            panic!("no completion within 20 s");
+        }
+    }
+
+    #[test]
+    fn a_write_with_another_senders_rkey_fails_with_a_remote_access_error() {
+        let on_rdma = std::env::var("RDMASTREAM_TEST_TRANSPORT").as_deref() == Ok("verbs");
+        let settings = VerbsSettings {
+            device: None,
+            port: 1,
+            gid_index: std::env::var("RDMASTREAM_VM_GID_INDEX")
+                .ok()
+                .and_then(|g| g.parse().ok()),
+        };
+        let ctx = match open(&settings) {
+            Ok(c) => c,
+            Err(e) if !on_rdma => {
+                eprintln!("no RDMA device here ({e}); scripts/test-vm.sh runs this over Soft-RoCE");
+                return;
+            }
+            Err(e) => panic!("RDMASTREAM_TEST_TRANSPORT=verbs but no usable device: {e}"),
+        };
+        let host = std::env::var("RDMASTREAM_TEST_HOST").unwrap_or_else(|_| "127.0.0.1".into());
+        let mut listener = listen(
+            &format!("{host}:0"),
+            RegionSettings::plain(4, 4096),
+            settings.clone(),
+        )
+        .unwrap();
+        let addr = listener.local_addr();
+        let a = raw_sender(&ctx, &settings, &addr, "a");
+        let b = raw_sender(&ctx, &settings, &addr, "b");
+        let accepted: Vec<_> = (0..2)
+            .map(|_| listener.accept(Duration::from_secs(10)).unwrap().unwrap())
+            .collect();
+        assert_ne!(a.welcome.blocks_rkey, b.welcome.blocks_rkey);
+        for byte in b.mr.atomic_bytes() {
+            byte.store(0xAB, Ordering::Relaxed);
+        }
+        // With its own rkey a sender's WRITE lands in its own region ...
+        assert_eq!(
+            a.write(a.welcome.blocks_addr, a.welcome.blocks_rkey),
+            ibv::WcStatus::Success
+        );
+        // ... and with the other sender's address and rkey the NIC refuses it: the rkey belongs
+        // to another protection domain.
+        match b.write(a.welcome.blocks_addr, a.welcome.blocks_rkey) {
+            ibv::WcStatus::Error { text, .. } => {
+                assert!(text.contains("remote access"), "{text}")
+            }
+            ibv::WcStatus::Success => panic!("sender b wrote into sender a's region"),
+        }
+        // Sender a's region was not touched by b (a wrote 64 zero bytes; b's 0xAB never came).
+        let region_a = accepted
+            .iter()
+            .find(|x| x.hello.sender == "a")
+            .unwrap()
+            .region
+            .clone();
+        let mut first = Vec::new();
+        region_a.read_block(0, &mut |bytes| first = bytes[..64].to_vec());
+        assert_eq!(first, vec![0u8; 64]);
+    }
 }

@@ -1,0 +1,326 @@
+//! sender.toml: the sender's config file as data, its defaults, and its validation into the
+//! devices the sender runs. Every key is documented in the shipped configs/sender.toml.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::app::ConfigError;
+use crate::engine::DropPolicy;
+use crate::source::SourceKind;
+
+/// sender.toml; every key is documented in configs/sender.toml.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct SenderConfig {
+    pub name: String,
+    pub receiver: String,
+    #[serde(default = "d_transport")]
+    pub transport: String,
+    #[serde(default)]
+    pub key: Option<String>,
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    #[serde(default = "d_send_blocks")]
+    pub send_blocks: usize,
+    #[serde(default = "d_block_size")]
+    pub block_size: usize,
+    #[serde(default = "d_outstanding")]
+    pub max_outstanding: usize,
+    #[serde(default = "d_queue")]
+    pub queue_depth: usize,
+    #[serde(default = "d_status")]
+    pub status_interval: f64,
+    #[serde(default = "d_peer_timeout")]
+    pub peer_timeout: f64,
+    #[serde(default = "d_shutdown_grace")]
+    pub shutdown_grace: f64,
+    #[serde(default)]
+    pub first_packet: u16,
+    #[serde(default)]
+    pub rdma_device: Option<String>,
+    #[serde(default = "d_port")]
+    pub ib_port: u8,
+    #[serde(default)]
+    pub gid_index: Option<u32>,
+    #[serde(default)]
+    pub device: Vec<SenderDeviceConfig>,
+}
+
+fn d_port() -> u8 {
+    1
+}
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct SenderDeviceConfig {
+    pub id: u32,
+    #[serde(default = "d_count")]
+    pub count: u32,
+    pub source: String,
+    pub width: Option<u32>,
+    pub height: Option<u32>,
+    pub fps: Option<f64>,
+    pub size: Option<usize>,
+    pub rate: Option<f64>,
+    pub dir: Option<PathBuf>,
+    /// source = "gstreamer": a launch string ending in appsink.
+    pub pipeline: Option<String>,
+    #[serde(default = "d_policy")]
+    pub policy: String,
+    /// Built-in sources: end the device after this many frames (default: run until stopped).
+    pub frames: Option<u64>,
+}
+
+fn d_transport() -> String {
+    "auto".into()
+}
+fn d_send_blocks() -> usize {
+    8
+}
+fn d_block_size() -> usize {
+    1 << 20
+}
+fn d_outstanding() -> usize {
+    4
+}
+fn d_queue() -> usize {
+    4
+}
+fn d_status() -> f64 {
+    1.0
+}
+fn d_peer_timeout() -> f64 {
+    5.0
+}
+fn d_shutdown_grace() -> f64 {
+    5.0
+}
+fn d_count() -> u32 {
+    1
+}
+fn d_policy() -> String {
+    "drop-oldest".into()
+}
+
+/// Where a device's frames come from.
+#[derive(Clone)]
+pub enum Source {
+    Builtin(SourceKind),
+    /// A GStreamer launch string ending in appsink (gst-plugin's `LaunchSource`).
+    Gstreamer(String),
+}
+
+pub struct Device {
+    pub id: u8,
+    pub kind: Source,
+    pub policy: DropPolicy,
+    pub frames: Option<u64>,
+}
+
+impl SenderConfig {
+    /// Parses sender.toml text (`file` names it in errors).
+    pub fn parse(text: &str, file: &Path) -> Result<SenderConfig, ConfigError> {
+        crate::app::parse_toml(text, file)
+    }
+
+    /// Reads and parses a sender.toml.
+    pub fn load(file: &Path) -> Result<SenderConfig, ConfigError> {
+        crate::app::load_toml(file)
+    }
+
+    /// Checks every value and lists the devices to run; `file` names the config in errors.
+    pub fn validate(&self, file: &Path) -> Result<Vec<Device>, ConfigError> {
+        validate(self, file)
+    }
+}
+
+fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError> {
+    let err = |key: &str, reason: String| ConfigError::new(file, key, reason);
+    if !crate::proto::handshake::valid_sender_name(&cfg.name) {
+        return Err(err(
+            "name",
+            format!("{:?} is not 1-64 characters of A-Z a-z 0-9 . _ -", cfg.name),
+        ));
+    }
+    if cfg.send_blocks == 0 || cfg.send_blocks > 4096 {
+        return Err(err(
+            "send_blocks",
+            format!("{} is not in 1..=4096", cfg.send_blocks),
+        ));
+    }
+    if cfg.block_size <= crate::proto::OVERHEAD || cfg.block_size > 1 << 30 {
+        return Err(err(
+            "block_size",
+            format!(
+                "{} is not in {}..=1 GiB",
+                cfg.block_size,
+                crate::proto::OVERHEAD + 1
+            ),
+        ));
+    }
+    if cfg.max_outstanding == 0 || cfg.max_outstanding > 1024 {
+        return Err(err(
+            "max_outstanding",
+            format!("{} is not in 1..=1024", cfg.max_outstanding),
+        ));
+    }
+    if cfg.queue_depth == 0 {
+        return Err(err("queue_depth", "must be at least 1".into()));
+    }
+    if cfg.status_interval.is_nan() || cfg.status_interval <= 0.0 {
+        return Err(err("status_interval", "must be > 0 seconds".into()));
+    }
+    if !(cfg.peer_timeout.is_finite() && (0.2..=3600.0).contains(&cfg.peer_timeout)) {
+        return Err(err(
+            "peer_timeout",
+            format!("{} is not in 0.2..=3600 seconds", cfg.peer_timeout),
+        ));
+    }
+    if !(cfg.shutdown_grace.is_finite() && (0.0..=3600.0).contains(&cfg.shutdown_grace)) {
+        return Err(err(
+            "shutdown_grace",
+            format!("{} is not in 0..=3600 seconds", cfg.shutdown_grace),
+        ));
+    }
+    if cfg.ib_port == 0 {
+        return Err(err("ib_port", "ports are numbered from 1".into()));
+    }
+    if !matches!(cfg.transport.as_str(), "auto" | "tcp" | "verbs") {
+        return Err(err(
+            "transport",
+            format!("{:?} is not one of auto, tcp, verbs", cfg.transport),
+        ));
+    }
+    let mut devices = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for (n, d) in cfg.device.iter().enumerate() {
+        let key = |k: &str| format!("device[{n}].{k}");
+        let positive = |k: &str, v: Option<f64>, default: f64| -> Result<f64, ConfigError> {
+            let v = v.unwrap_or(default);
+            if v.is_finite() && v > 0.0 && v <= 10_000.0 {
+                Ok(v)
+            } else {
+                Err(err(&key(k), format!("{v} is not in (0, 10000]")))
+            }
+        };
+        let dims = |default_w, default_h| -> Result<(u32, u32), ConfigError> {
+            let (w, h) = (d.width.unwrap_or(default_w), d.height.unwrap_or(default_h));
+            if w == 0 || h == 0 || (w as u64) * (h as u64) * 3 > 256 << 20 {
+                return Err(err(
+                    &key("width"),
+                    format!("{w}x{h} is not a frame size up to 256 MiB"),
+                ));
+            }
+            Ok((w, h))
+        };
+        let kind = match d.source.as_str() {
+            "camera-synthetic" => {
+                let (width, height) = dims(640, 480)?;
+                Source::Builtin(SourceKind::CameraSynthetic {
+                    width,
+                    height,
+                    fps: positive("fps", d.fps, 25.0)?,
+                })
+            }
+            "radar-synthetic" => {
+                let size = d.size.unwrap_or(65536);
+                if size == 0 || size > 256 << 20 {
+                    return Err(err(&key("size"), format!("{size} is not in 1..=256 MiB")));
+                }
+                Source::Builtin(SourceKind::RadarSynthetic {
+                    size,
+                    rate: positive("rate", d.rate, 20.0)?,
+                })
+            }
+            "images" => {
+                let (width, height) = dims(640, 480)?;
+                let dir = d.dir.clone().unwrap_or_else(|| PathBuf::from("assets"));
+                let dir = if dir.is_relative() && !dir.exists() {
+                    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(&dir)
+                } else {
+                    dir
+                };
+                Source::Builtin(SourceKind::Images {
+                    dir,
+                    width,
+                    height,
+                    fps: positive("fps", d.fps, 25.0)?,
+                })
+            }
+            "gstreamer" => match d.pipeline.as_deref().map(str::trim) {
+                Some(p) if !p.is_empty() => Source::Gstreamer(p.to_string()),
+                _ => {
+                    return Err(err(
+                        &key("pipeline"),
+                        "source \"gstreamer\" needs a launch string ending in appsink".into(),
+                    ));
+                }
+            },
+            other => {
+                return Err(err(
+                    &key("source"),
+                    format!(
+                        "{other:?} is not one of camera-synthetic, radar-synthetic, images, gstreamer"
+                    ),
+                ));
+            }
+        };
+        if d.pipeline.is_some() && !matches!(kind, Source::Gstreamer(_)) {
+            return Err(err(
+                &key("pipeline"),
+                "only source \"gstreamer\" takes a pipeline".into(),
+            ));
+        }
+        let policy = match d.policy.as_str() {
+            "drop-oldest" => DropPolicy::DropOldest,
+            "block" => DropPolicy::Block,
+            other => {
+                return Err(err(
+                    &key("policy"),
+                    format!("{other:?} is not one of drop-oldest, block"),
+                ));
+            }
+        };
+        match (d.frames, &kind) {
+            (Some(0), _) => {
+                return Err(err(
+                    &key("frames"),
+                    "0 frames: leave the key out to run until stopped".into(),
+                ));
+            }
+            (Some(_), Source::Gstreamer(_)) => {
+                return Err(err(
+                    &key("frames"),
+                    "source \"gstreamer\" ends with its pipeline: put num-buffers=N on its source element".into(),
+                ));
+            }
+            _ => {}
+        }
+        if d.count == 0 || d.id + d.count > 256 {
+            return Err(err(
+                &key("id"),
+                format!(
+                    "devices {}..{} are not within 0..=255",
+                    d.id,
+                    d.id + d.count
+                ),
+            ));
+        }
+        for id in d.id..d.id + d.count {
+            if !seen.insert(id) {
+                return Err(err(&key("id"), format!("device {id} is configured twice")));
+            }
+            devices.push(Device {
+                id: id as u8,
+                kind: kind.clone(),
+                policy,
+                frames: d.frames,
+            });
+        }
+    }
+    if devices.is_empty() {
+        return Err(err("device", "no devices configured".into()));
+    }
+    Ok(devices)
+}
