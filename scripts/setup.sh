@@ -14,6 +14,8 @@ packages=(
   # videoconvert, tcp (base), jpegenc, multifilesink (good), gdppay, shmsink (bad).
   libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-tools
   gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad
+  # integration/tests/netfaults.rs: network namespaces (ip) and packet loss (nft).
+  iproute2 nftables
 )
 missing=()
 for p in "${packages[@]}"; do

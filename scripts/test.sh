@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check and test: formatting, clippy with warnings as errors, the whole test suite on
-# the host (unit, simulator, in-process engine, and the real sender/receiver processes over tcp),
+# the host (unit, simulator, in-process engine, the real sender/receiver processes over tcp,
+# hostile peers, and network faults between two network namespaces),
 # then the process-level suite again over real RDMA verbs on Soft-RoCE in a VM
 # (scripts/test-vm.sh; set RDMASTREAM_SKIP_VM=1 to leave it out locally).
 set -euo pipefail
@@ -10,6 +11,9 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
+# As root the network-fault tests (integration/tests/netfaults.rs: namespaces, nft, tmpfs) must
+# run, not skip.
+if [ "$(id -u)" = 0 ]; then export RDMASTREAM_REQUIRE_NETNS=1; fi
 cargo test --workspace --release 2>&1 | tee "$log"
 if [ -z "${RDMASTREAM_SKIP_VM:-}" ]; then
   scripts/test-vm.sh 2>&1 | tee -a "$log"

@@ -1,0 +1,635 @@
+//! Faults between two hosts: the receiver and the sender run in two network namespaces joined by
+//! a veth pair (shared/NETWORK-FAULTS.md), over the `tcp` transport, with `block` (lossless)
+//! devices. Receiver `kill -9` and restart at random moments, packet loss, the link taken down
+//! and up, a half-open connection, a full output disk, Ctrl-C during an outage: after each, every
+//! frame index of every device exists exactly once, bit-exact and in order.
+//!
+//! Needs root (`ip netns`, `mount`). Without it the tests say so and pass, unless
+//! `RDMASTREAM_REQUIRE_NETNS=1` (set by scripts/test.sh) makes that a failure.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const KEY: &str = "netfaults-key-0123456789abcdef";
+const W: usize = 160;
+const H: usize = 120;
+const RADAR: usize = 300_000;
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+/// One fault scenario at a time: each runs a sender and a receiver flat out on a small machine.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Two namespaces, `rx` (10.201.K.1) and `tx` (10.201.K.2), joined by a veth pair; deleted on
+/// drop.
+struct Hosts {
+    rx: String,
+    tx: String,
+    rx_addr: String,
+    tx_dev: String,
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+impl Hosts {
+    fn new() -> Option<Hosts> {
+        let k = NEXT.fetch_add(1, Ordering::Relaxed);
+        let tag = format!("{}{k}", std::process::id() % 100_000);
+        let subnet = (std::process::id() as u32 * 7 + k) % 250 + 1;
+        let h = Hosts {
+            _serial: SERIAL.lock().unwrap_or_else(|e| e.into_inner()),
+            rx: format!("rsrx{tag}"),
+            tx: format!("rstx{tag}"),
+            rx_addr: format!("10.201.{subnet}.1"),
+            tx_dev: format!("rst{tag}"),
+        };
+        let rx_dev = format!("rsr{tag}");
+        let setup = || -> Result<(), String> {
+            ip(&["netns", "add", &h.rx])?;
+            ip(&["netns", "add", &h.tx])?;
+            ip(&[
+                "link", "add", &rx_dev, "netns", &h.rx, "type", "veth", "peer", "name", &h.tx_dev,
+                "netns", &h.tx,
+            ])?;
+            ip(&[
+                "-n",
+                &h.rx,
+                "addr",
+                "add",
+                &format!("{}/24", h.rx_addr),
+                "dev",
+                &rx_dev,
+            ])?;
+            let tx_addr = format!("10.201.{subnet}.2/24");
+            ip(&["-n", &h.tx, "addr", "add", &tx_addr, "dev", &h.tx_dev])?;
+            for (ns, dev) in [(&h.rx, &rx_dev), (&h.tx, &h.tx_dev)] {
+                ip(&["-n", ns, "link", "set", dev, "up"])?;
+                ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            }
+            Ok(())
+        };
+        match setup() {
+            Ok(()) => Some(h),
+            Err(e) => {
+                drop(h);
+                let required = std::env::var_os("RDMASTREAM_REQUIRE_NETNS").is_some();
+                assert!(!required, "network namespaces are required here: {e}");
+                eprintln!("SKIPPED: cannot make network namespaces ({e}); run as root");
+                None
+            }
+        }
+    }
+
+    /// Starts `bin args` inside namespace `ns` (`ip netns exec` execs it: the child is the
+    /// process itself, so signals reach it).
+    fn spawn(&self, ns: &str, bin: &Path, args: &[&str], log: &Path) -> Child {
+        let out = std::fs::File::create(log).unwrap();
+        Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(bin)
+            .args(args)
+            .current_dir(rdmastream_testkit::workspace())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap()
+    }
+
+    fn link(&self, up: bool) {
+        ip(&[
+            "-n",
+            &self.tx,
+            "link",
+            "set",
+            &self.tx_dev,
+            if up { "up" } else { "down" },
+        ])
+        .unwrap();
+    }
+
+    /// Drops `percent` % of the packets arriving in each namespace (nftables, as the host
+    /// kernel has no netem).
+    fn loss(&self, percent: u32) {
+        for ns in [&self.rx, &self.tx] {
+            let nft = |args: &[&str]| {
+                let ok = Command::new("ip")
+                    .args(["netns", "exec", ns, "nft"])
+                    .args(args)
+                    .status()
+                    .unwrap()
+                    .success();
+                assert!(ok, "nft {args:?} failed");
+            };
+            nft(&["add", "table", "inet", "loss"]);
+            nft(&[
+                "add",
+                "chain",
+                "inet",
+                "loss",
+                "in",
+                "{ type filter hook input priority 0; }",
+            ]);
+            nft(&[
+                "add",
+                "rule",
+                "inet",
+                "loss",
+                "in",
+                "numgen",
+                "random",
+                "mod",
+                "100",
+                "<",
+                &percent.to_string(),
+                "counter",
+                "drop",
+            ]);
+        }
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.rx]);
+        let _ = ip(&["netns", "del", &self.tx]);
+    }
+}
+
+/// A receiver config and arguments in `dir`, writing to `out`.
+fn receiver(dir: &Path, hosts: &Hosts, port: u16, out: &Path, extra: &str) -> Vec<String> {
+    let cfg = write(
+        dir,
+        "receiver.toml",
+        &format!(
+            "transport = \"tcp\"\nkey = \"{KEY}\"\nblocks = 8\nblock_size = 262144\n\
+             format = \"raw\"\nkeep = 0\nreorder_timeout_ms = 100\npeer_timeout = 2.0\n{extra}\n"
+        ),
+    );
+    vec![
+        "--config".into(),
+        cfg.to_str().unwrap().into(),
+        "--listen".into(),
+        format!("{}:{port}", hosts.rx_addr),
+        "--out".into(),
+        out.to_str().unwrap().into(),
+        "--verify".into(),
+        "--exit-after-eos".into(),
+    ]
+}
+
+/// A sender config with two cameras (`frames` each) and a radar (`frames / 4`, two blocks per
+/// frame), all `block`; returns its path.
+fn sender(dir: &Path, hosts: &Hosts, port: u16, frames: u64, extra: &str) -> PathBuf {
+    write(
+        dir,
+        "sender.toml",
+        &format!(
+            "name = \"edge\"\nreceiver = \"{}:{port}\"\ntransport = \"tcp\"\nkey = \"{KEY}\"\n\
+             block_size = 262144\nsend_blocks = 4\npeer_timeout = 2.0\n{extra}\n\
+             [[device]]\nid = 1\ncount = 2\nsource = \"camera-synthetic\"\nwidth = {W}\n\
+             height = {H}\nfps = 50\nframes = {frames}\npolicy = \"block\"\n\
+             [[device]]\nid = 9\nsource = \"radar-synthetic\"\nsize = {RADAR}\nrate = 20\n\
+             frames = {}\npolicy = \"block\"\n",
+            hosts.rx_addr,
+            frames / 4
+        ),
+    )
+}
+
+/// Waits for `child` to exit 0 within `timeout`; otherwise kills it and fails with the tails of
+/// both sides' logs.
+fn exits_ok_both(child: &mut Child, timeout: Duration, what: &str, log: &Path, other: &Path) {
+    let end = Instant::now() + timeout;
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code().unwrap_or(-1);
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            break -2;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        code == 0,
+        "{what} exited with {code} (-2: still running after {timeout:?}); its log:\n{}\n\nthe other side's log:\n{}",
+        tail(log),
+        tail(other)
+    );
+}
+
+fn args(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// Every device of the sender has exactly frames 0..n (one file each, bit-exact, in order) and
+/// no temporary file is left.
+fn check_all(out: &Path, frames: u64) {
+    for (device, n) in [(1u8, frames), (2, frames), (9, frames / 4)] {
+        let dir = out.join(format!("edge/device-{device:03}"));
+        let files = frame_files(&dir);
+        let indices: Vec<u64> = files.iter().map(|(i, _)| *i).collect();
+        assert_eq!(
+            indices,
+            (0..n).collect::<Vec<_>>(),
+            "{}: not exactly frames 0..{n}",
+            dir.display()
+        );
+        for (index, path) in &files {
+            if device == 9 {
+                check_radar_file(path, device, *index, RADAR);
+            } else {
+                check_camera_file(path, device, *index, W, H);
+            }
+        }
+        let temporaries = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .count();
+        assert_eq!(temporaries, 0, "{}: temporaries left", dir.display());
+    }
+}
+
+/// A small deterministic generator for the kill moments (seed printed, to replay a failure).
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// 20 times at random moments: the receiver is killed with SIGKILL and restarted after a
+/// random pause. Nothing of a `block` device is lost or written twice.
+#[test]
+fn block_devices_survive_twenty_receiver_kills() {
+    let Some(hosts) = Hosts::new() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (port, out) = (7600, tmp.path().join("out"));
+    let frames = 2000;
+    let rx = receiver(tmp.path(), &hosts, port, &out, "");
+    let tx_cfg = sender(tmp.path(), &hosts, port, frames, "");
+    let seed = std::env::var("NETFAULTS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    eprintln!("kill moments from NETFAULTS_SEED={seed}");
+    let mut rng = Rng(seed);
+    let rx_log = |k: usize| tmp.path().join(format!("rx{k}.log"));
+    let tx_log = tmp.path().join("tx.log");
+    let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log(0));
+    std::thread::sleep(Duration::from_millis(300));
+    let mut tx = hosts.spawn(
+        &hosts.tx,
+        &bin("sender"),
+        &["--config", tx_cfg.to_str().unwrap()],
+        &tx_log,
+    );
+    let dev1 = out.join("edge/device-001");
+    for k in 1..=20 {
+        // Wait for some progress since the last restart, then a random moment more.
+        let had = frame_files(&dev1).len();
+        let moved = wait_for(Duration::from_secs(60), || frame_files(&dev1).len() > had);
+        assert!(
+            moved && tx.try_wait().unwrap().is_none(),
+            "kill {k}: no progress since the last restart, or the sender ended early (raise \
+             frames):\n{}\n\nsender:\n{}",
+            tail(&rx_log(k - 1)),
+            tail(&tx_log)
+        );
+        std::thread::sleep(Duration::from_millis(rng.below(400)));
+        receiver.kill().unwrap();
+        receiver.wait().unwrap();
+        std::thread::sleep(Duration::from_millis(rng.below(600)));
+        receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log(k));
+    }
+    exits_ok_both(
+        &mut tx,
+        Duration::from_secs(240),
+        "sender",
+        &tx_log,
+        &rx_log(20),
+    );
+    exits_ok_both(
+        &mut receiver,
+        Duration::from_secs(60),
+        "receiver",
+        &rx_log(20),
+        &tx_log,
+    );
+    check_all(&out, frames);
+    let tx_text = std::fs::read_to_string(&tx_log).unwrap();
+    assert!(
+        tx_text.contains("0 frames not delivered") || !tx_text.contains("not delivered"),
+        "sender reports undelivered frames:\n{}",
+        tail(&tx_log)
+    );
+}
+
+/// 1 % of the packets dropped both ways, and the link taken down for longer than the peer
+/// timeout and brought back, mid-stream: every frame arrives once the link is back.
+#[test]
+fn block_devices_survive_loss_and_a_link_down_and_up() {
+    let Some(hosts) = Hosts::new() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (port, out) = (7601, tmp.path().join("out"));
+    let frames = 200;
+    let rx = receiver(tmp.path(), &hosts, port, &out, "");
+    let tx_cfg = sender(tmp.path(), &hosts, port, frames, "");
+    hosts.loss(1);
+    let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
+    let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut tx = hosts.spawn(
+        &hosts.tx,
+        &bin("sender"),
+        &["--config", tx_cfg.to_str().unwrap()],
+        &tx_log,
+    );
+    let dev1 = out.join("edge/device-001");
+    assert!(wait_for(Duration::from_secs(60), || frame_files(&dev1)
+        .len()
+        >= 20));
+    hosts.link(false);
+    std::thread::sleep(Duration::from_secs(4));
+    hosts.link(true);
+    exits_ok_both(
+        &mut tx,
+        Duration::from_secs(240),
+        "sender",
+        &tx_log,
+        &rx_log,
+    );
+    exits_ok_both(
+        &mut receiver,
+        Duration::from_secs(60),
+        "receiver",
+        &rx_log,
+        &tx_log,
+    );
+    check_all(&out, frames);
+}
+
+/// The link goes down and the sender dies with it (a half-open connection: no FIN, no RST):
+/// the receiver notices within its peer timeout, frees the connection and, with
+/// `--exit-after-eos`, exits. A restarted receiver and a restarted sender (a new session) stream
+/// again: the new session's frames get new file numbers after the first run's, which stay
+/// untouched.
+#[test]
+fn a_half_open_connection_is_detected_and_a_restarted_sender_writes_new_files() {
+    let Some(hosts) = Hosts::new() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (port, out) = (7602, tmp.path().join("out"));
+    // Gone for good after 3 s without its streams ended: the receiver can exit.
+    let rx = receiver(tmp.path(), &hosts, port, &out, "sender_gone_after = 3.0");
+    let tx_cfg = sender(tmp.path(), &hosts, port, 100, "");
+    let (rx1_log, rx2_log, tx1_log, tx2_log) = (
+        tmp.path().join("rx1.log"),
+        tmp.path().join("rx2.log"),
+        tmp.path().join("tx1.log"),
+        tmp.path().join("tx2.log"),
+    );
+    let mut rx1 = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx1_log);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut tx1 = hosts.spawn(
+        &hosts.tx,
+        &bin("sender"),
+        &["--config", tx_cfg.to_str().unwrap()],
+        &tx1_log,
+    );
+    let dev1 = out.join("edge/device-001");
+    assert!(wait_for(Duration::from_secs(60), || frame_files(&dev1)
+        .len()
+        >= 10));
+    hosts.link(false);
+    tx1.kill().unwrap();
+    tx1.wait().unwrap();
+    let cut = Instant::now();
+    // peer_timeout = 2 s: the receiver must say the sender is gone well before 20 s.
+    let gone = wait_for(Duration::from_secs(20), || {
+        std::fs::read_to_string(&rx1_log)
+            .unwrap_or_default()
+            .contains("peer timeout")
+    });
+    assert!(
+        gone,
+        "half-open connection not detected:\n{}",
+        tail(&rx1_log)
+    );
+    eprintln!("half-open connection detected after {:?}", cut.elapsed());
+    // Nothing left to wait for: the receiver ends (--exit-after-eos).
+    wait(&mut rx1, Duration::from_secs(30), "receiver", &rx1_log);
+    let first: Vec<(u64, Vec<u8>)> = frame_files(&dev1)
+        .into_iter()
+        .map(|(i, p)| (i, std::fs::read(p).unwrap()))
+        .collect();
+    hosts.link(true);
+    let mut rx2 = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx2_log);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut tx2 = hosts.spawn(
+        &hosts.tx,
+        &bin("sender"),
+        &["--config", tx_cfg.to_str().unwrap()],
+        &tx2_log,
+    );
+    exits_ok_both(
+        &mut tx2,
+        Duration::from_secs(120),
+        "sender",
+        &tx2_log,
+        &rx2_log,
+    );
+    exits_ok_both(
+        &mut rx2,
+        Duration::from_secs(60),
+        "receiver",
+        &rx2_log,
+        &tx2_log,
+    );
+    let after = frame_files(&dev1);
+    for (i, data) in &first {
+        let path = &after
+            .iter()
+            .find(|(j, _)| j == i)
+            .expect("first run's file kept")
+            .1;
+        assert!(
+            &std::fs::read(path).unwrap() == data,
+            "{} was overwritten",
+            path.display()
+        );
+    }
+    // The second session's 100 frames follow the first run's files, each the camera's frame
+    // 0..99 again (a restarted camera's frames are new frames).
+    let base = first.last().map(|(i, _)| i + 1).unwrap_or(0);
+    let second: Vec<_> = after.iter().filter(|(i, _)| *i >= base).collect();
+    assert_eq!(second.len(), 100, "second session: {} files", second.len());
+    for (k, (_, path)) in second.iter().enumerate() {
+        check_camera_file(path, 1, k as u64, W, H);
+    }
+}
+
+/// The output is a small tmpfs that fills up: the receiver counts and logs the failed writes,
+/// holds the `block` devices' blocks (back-pressure), and once space is freed every frame is
+/// written; nothing is lost.
+#[test]
+fn a_full_disk_holds_block_devices_until_space_returns() {
+    let Some(hosts) = Hosts::new() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let mnt = tmp.path().join("disk");
+    std::fs::create_dir(&mnt).unwrap();
+    let mounted = Command::new("mount")
+        .args([
+            "-t",
+            "tmpfs",
+            "-o",
+            "size=64m",
+            "tmpfs",
+            mnt.to_str().unwrap(),
+        ])
+        .status()
+        .unwrap()
+        .success();
+    assert!(mounted, "cannot mount a tmpfs");
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mnt.clone());
+    // Fill most of the disk first: the stream (2 × 200 × 57.6 kB + 50 × 300 kB, about 38 MB)
+    // does not fit until this goes.
+    let filler = mnt.join("filler");
+    std::fs::write(&filler, vec![7u8; 56 << 20]).unwrap();
+    let (port, out) = (7603, mnt.join("out"));
+    let frames = 200;
+    let rx = receiver(tmp.path(), &hosts, port, &out, "");
+    let tx_cfg = sender(tmp.path(), &hosts, port, frames, "");
+    let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
+    let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut tx = hosts.spawn(
+        &hosts.tx,
+        &bin("sender"),
+        &["--config", tx_cfg.to_str().unwrap()],
+        &tx_log,
+    );
+    let full = wait_for(Duration::from_secs(60), || {
+        std::fs::read_to_string(&rx_log)
+            .unwrap_or_default()
+            .contains("No space left")
+    });
+    assert!(full, "the disk never filled:\n{}", tail(&rx_log));
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        tx.try_wait().unwrap().is_none(),
+        "the sender finished although the receiver could not write:\n{}",
+        tail(&tx_log)
+    );
+    std::fs::remove_file(&filler).unwrap();
+    exits_ok_both(
+        &mut tx,
+        Duration::from_secs(180),
+        "sender",
+        &tx_log,
+        &rx_log,
+    );
+    let code = wait(&mut receiver, Duration::from_secs(60), "receiver", &rx_log);
+    check_all(&out, frames);
+    let text = std::fs::read_to_string(&rx_log).unwrap();
+    assert!(
+        text.contains("cannot write frame"),
+        "failed writes not reported:\n{}",
+        tail(&rx_log)
+    );
+    // Every frame was written in the end: the run succeeded.
+    assert_eq!(code, 0, "receiver exit code; log:\n{}", tail(&rx_log));
+}
+
+/// Ctrl-C while the receiver is unreachable: the sender tries to flush for its grace period,
+/// then exits non-zero saying how many frames were not delivered.
+#[test]
+fn ctrl_c_during_an_outage_exits_within_the_grace_period() {
+    let Some(hosts) = Hosts::new() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (port, out) = (7604, tmp.path().join("out"));
+    let rx = receiver(tmp.path(), &hosts, port, &out, "");
+    let tx_cfg = sender(tmp.path(), &hosts, port, 100_000, "shutdown_grace = 2.0");
+    let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
+    let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut tx = hosts.spawn(
+        &hosts.tx,
+        &bin("sender"),
+        &["--config", tx_cfg.to_str().unwrap()],
+        &tx_log,
+    );
+    let dev1 = out.join("edge/device-001");
+    assert!(wait_for(Duration::from_secs(60), || frame_files(&dev1)
+        .len()
+        >= 10));
+    hosts.link(false);
+    std::thread::sleep(Duration::from_secs(1));
+    let start = Instant::now();
+    let ok = Command::new("kill")
+        .args(["-INT", &tx.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let code = wait(&mut tx, Duration::from_secs(30), "sender", &tx_log);
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(12),
+        "sender took {took:?} to stop (grace 2 s):\n{}",
+        tail(&tx_log)
+    );
+    assert_ne!(
+        code,
+        0,
+        "undelivered frames must fail the run:\n{}",
+        tail(&tx_log)
+    );
+    assert!(
+        std::fs::read_to_string(&tx_log)
+            .unwrap()
+            .contains("not delivered"),
+        "the sender does not say what was not delivered:\n{}",
+        tail(&tx_log)
+    );
+    let _ = receiver.kill();
+    let _ = receiver.wait();
+}
