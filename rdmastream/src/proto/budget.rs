@@ -114,9 +114,10 @@ impl Reservation {
     /// Takes `more` bytes as well; false (and nothing taken) if they do not fit.
     pub fn grow(&mut self, more: usize) -> bool {
         match self.budget.try_reserve(more) {
-            Some(r) => {
-                self.bytes += r.bytes;
-                std::mem::forget(r);
+            Some(mut r) => {
+                // Move the bytes over; `r` then drops empty (forgetting it would leak its
+                // reference to the budget — found by fuzz/reassembly_reorder).
+                self.bytes += std::mem::take(&mut r.bytes);
                 true
             }
             None => false,
@@ -162,6 +163,20 @@ pub fn reserved_copy(budget: &Arc<Budget>, bytes: &[u8]) -> Option<bytes::Bytes>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Growing a reservation keeps no extra reference to the budget (a forgotten temporary
+    /// reservation used to leak one per grow: the budget was never freed).
+    #[test]
+    fn growing_leaks_no_reference_to_the_budget() {
+        let b = Budget::new(100);
+        let mut r = Reservation::empty(&b);
+        for _ in 0..10 {
+            assert!(r.grow(5));
+        }
+        assert_eq!(Arc::strong_count(&b), 2);
+        drop(r);
+        assert_eq!((Arc::strong_count(&b), b.used()), (1, 0));
+    }
 
     #[test]
     fn reservations_never_exceed_the_limit_and_come_back_on_drop() {
