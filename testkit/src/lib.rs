@@ -128,7 +128,8 @@ pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
 
 /// The last 40 lines of a log file.
 pub fn tail(log: &Path) -> String {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
+    // Lossy: a process killed mid-line may leave half a UTF-8 character behind.
+    let text = String::from_utf8_lossy(&std::fs::read(log).unwrap_or_default()).into_owned();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
 }
