@@ -276,3 +276,34 @@ mod tests {
         assert!(!is_loopback("0.0.0.0:7471"));
     }
 }
+
+/// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the line
+/// already holds (many errors put their source into their own message).
+pub fn describe_error(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = String::new();
+    let mut next = Some(e);
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+        next = cause.source();
+    }
+    line
+}
+
+#[cfg(test)]
+mod describe_tests {
+    #[test]
+    fn a_source_already_in_the_message_is_not_repeated() {
+        let e = crate::Error::Listen {
+            addr: "127.0.0.1:1".into(),
+            source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
+        };
+        let line = super::describe_error(&e);
+        assert_eq!(line.matches("in use").count(), 1, "{line}");
+    }
+}

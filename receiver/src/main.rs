@@ -52,7 +52,7 @@ fn main() {
             std::process::exit(2);
         }
         Err(e) => {
-            eprintln!("receiver: {e:#}");
+            eprintln!("receiver: {}", rdmastream::app::describe_error(e.as_ref()));
             std::process::exit(1);
         }
     }

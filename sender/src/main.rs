@@ -56,7 +56,7 @@ fn main() {
             std::process::exit(2);
         }
         Err(e) => {
-            eprintln!("sender: {e:#}");
+            eprintln!("sender: {}", rdmastream::app::describe_error(e.as_ref()));
             std::process::exit(1);
         }
     }
