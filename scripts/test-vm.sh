@@ -36,7 +36,7 @@ echo "== over verbs (Soft-RoCE rxe0 in a VM): $core (isolation), $processes, $pi
 scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
   env RDMASTREAM_PREBUILT=1 RDMASTREAM_IT_TRANSPORT=verbs RDMASTREAM_IT_HOST=192.0.2.1 \
   RDMASTREAM_TEST_TRANSPORT=verbs RDMASTREAM_TEST_HOST=192.0.2.1 RUST_BACKTRACE=1 \
-  bash -c 'run() { # seconds exe args...: one hung test binary must not eat the others' time
+  bash -c 'run() { # seconds exe args...: one hung test binary must not eat the time of the others
       local t=$1; shift; timeout -k 10 "$t" "$@"; local r=$?
       [ $r -eq 124 ] && echo "test-vm: $1 did not finish within $t s" >&2; return $r; }
     run 120 "$1" --test-threads=1 isolation_tests; i=$?
