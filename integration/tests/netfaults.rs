@@ -241,6 +241,16 @@ fn exits_ok_both(child: &mut Child, timeout: Duration, what: &str, log: &Path, o
     );
 }
 
+/// The warnings and errors of a log (they scroll out of its tail behind status lines).
+fn notable(log: &Path) -> String {
+    let text = String::from_utf8_lossy(&std::fs::read(log).unwrap_or_default()).into_owned();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
 fn args(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -351,8 +361,10 @@ fn block_devices_survive_twenty_receiver_kills() {
         let moved = wait_for(Duration::from_secs(60), || frame_files(&dev1).len() > had);
         assert!(
             moved && tx.try_wait().unwrap().is_none(),
-            "kill {k}: no progress since the last restart, or the sender ended:\n{}\n\nsender:\n{}",
+            "kill {k}: no progress since the last restart, or the sender ended:\n{}\n{}\n\nsender:\n{}\n{}",
+            notable(&rx_log(k - 1)),
             tail(&rx_log(k - 1)),
+            notable(&tx_log),
             tail(&tx_log)
         );
         std::thread::sleep(Duration::from_millis(rng.below(400)));

@@ -135,6 +135,14 @@ impl SenderState {
                 continue;
             }
             match ev {
+                // A lossless frame is never held for a format: its block (and the sender's send
+                // block) is only freed once it is handed on, so a sender whose send blocks all
+                // hold frames resent after a reconnect could never send the format that would
+                // release them. It goes on without one (written raw, not verified).
+                StreamEvent::Frame(ref f) if f.reliable => {
+                    out.extend(self.before_format.remove(&device).unwrap_or_default());
+                    out.push(ev);
+                }
                 StreamEvent::Frame(_) => {
                     let held = self.before_format.entry(device).or_default();
                     held.push(ev);
