@@ -255,18 +255,10 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
     if cfg.status_interval.is_nan() || cfg.status_interval <= 0.0 {
         return Err(err("status_interval", "must be > 0 seconds".into()));
     }
-    if !(cfg.peer_timeout.is_finite() && (0.2..=3600.0).contains(&cfg.peer_timeout)) {
-        return Err(err(
-            "peer_timeout",
-            format!("{} is not in 0.2..=3600 seconds", cfg.peer_timeout),
-        ));
-    }
-    if !(cfg.sender_gone_after.is_finite() && (0.0..=86400.0).contains(&cfg.sender_gone_after)) {
-        return Err(err(
-            "sender_gone_after",
-            format!("{} is not in 0..=86400 seconds", cfg.sender_gone_after),
-        ));
-    }
+    super::seconds_within(cfg.peer_timeout, 0.2..=3600.0)
+        .map_err(|why| err("peer_timeout", why))?;
+    super::seconds_within(cfg.sender_gone_after, 0.0..=86400.0)
+        .map_err(|why| err("sender_gone_after", why))?;
     if cfg.max_senders == 0 || cfg.max_senders > 4096 {
         return Err(err(
             "max_senders",

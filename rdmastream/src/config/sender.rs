@@ -171,18 +171,10 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
     if cfg.status_interval.is_nan() || cfg.status_interval <= 0.0 {
         return Err(err("status_interval", "must be > 0 seconds".into()));
     }
-    if !(cfg.peer_timeout.is_finite() && (0.2..=3600.0).contains(&cfg.peer_timeout)) {
-        return Err(err(
-            "peer_timeout",
-            format!("{} is not in 0.2..=3600 seconds", cfg.peer_timeout),
-        ));
-    }
-    if !(cfg.shutdown_grace.is_finite() && (0.0..=3600.0).contains(&cfg.shutdown_grace)) {
-        return Err(err(
-            "shutdown_grace",
-            format!("{} is not in 0..=3600 seconds", cfg.shutdown_grace),
-        ));
-    }
+    super::seconds_within(cfg.peer_timeout, 0.2..=3600.0)
+        .map_err(|why| err("peer_timeout", why))?;
+    super::seconds_within(cfg.shutdown_grace, 0.0..=3600.0)
+        .map_err(|why| err("shutdown_grace", why))?;
     if cfg.ib_port == 0 {
         return Err(err("ib_port", "ports are numbered from 1".into()));
     }
