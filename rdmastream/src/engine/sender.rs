@@ -393,6 +393,22 @@ struct DeviceState {
     format_epoch: u64,
 }
 
+impl DeviceState {
+    /// A device (new, or back after its end) numbering on from `numbering`, its format not yet
+    /// sent.
+    fn new(device: u8, rx: Receiver<Msg>, reliable: bool, mut numbering: DeviceNumbering) -> Self {
+        numbering.set_reliable(reliable);
+        DeviceState {
+            device,
+            rx,
+            reliable,
+            numbering,
+            format: None,
+            format_epoch: 0,
+        }
+    }
+}
+
 fn filling_thread(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
@@ -502,18 +518,10 @@ fn filling_thread(
                 Ok(Control::Device(device, rx, reliable)) => {
                     // A device that ended and comes back carries on numbering, so the receiver
                     // does not take its new packets for duplicates.
-                    let mut numbering = ended
+                    let numbering = ended
                         .remove(&device)
                         .unwrap_or_else(|| DeviceNumbering::starting_at(first_packet, 0));
-                    numbering.set_reliable(reliable);
-                    devices.push(DeviceState {
-                        device,
-                        rx,
-                        reliable,
-                        numbering,
-                        format: None,
-                        format_epoch: 0,
-                    })
+                    devices.push(DeviceState::new(device, rx, reliable, numbering))
                 }
                 Err(_) => control_open = false,
             }
@@ -562,16 +570,7 @@ fn filling_thread(
                 match returning.iter().position(|(d, _, _)| *d == gone.device) {
                     Some(k) => {
                         let (device, rx, reliable) = returning.remove(k);
-                        let mut numbering = gone.numbering;
-                        numbering.set_reliable(reliable);
-                        devices.push(DeviceState {
-                            device,
-                            rx,
-                            reliable,
-                            numbering,
-                            format: None,
-                            format_epoch: 0,
-                        });
+                        devices.push(DeviceState::new(device, rx, reliable, gone.numbering));
                     }
                     None => {
                         ended.insert(gone.device, gone.numbering);
