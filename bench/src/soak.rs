@@ -24,6 +24,32 @@ struct Sample {
     disk: u64,
 }
 
+impl Sample {
+    /// The receiver `pid`'s figures and the bytes under `out`, `minute` into the run.
+    fn take(minute: f64, pid: u32, out: &Path) -> Sample {
+        Sample {
+            minute,
+            rss: hostile::rss_bytes(pid),
+            threads: hostile::threads(pid),
+            files: hostile::open_files(pid),
+            disk: hostile::disk_usage(out),
+        }
+    }
+
+    /// One table row; the minute with `decimals` digits.
+    fn print(&self, decimals: usize, attacks: u64) {
+        println!(
+            "| {:.*} | {:.1} | {} | {} | {:.0} | {attacks} |",
+            decimals,
+            self.minute,
+            self.rss as f64 / 1048576.0,
+            self.threads,
+            self.files,
+            self.disk as f64 / 1048576.0
+        );
+    }
+}
+
 fn sibling(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("own path");
     let path = exe.parent().expect("in a directory").join(name);
@@ -194,21 +220,8 @@ pub fn soak(minutes: f64) {
     let mut kinds = std::collections::BTreeMap::<&str, u64>::new();
     while started.elapsed() < total {
         if Instant::now() >= next_sample {
-            let s = Sample {
-                minute: started.elapsed().as_secs_f64() / 60.0,
-                rss: hostile::rss_bytes(pid),
-                threads: hostile::threads(pid),
-                files: hostile::open_files(pid),
-                disk: hostile::disk_usage(&out),
-            };
-            println!(
-                "| {:.0} | {:.1} | {} | {} | {:.0} | {round} |",
-                s.minute,
-                s.rss as f64 / 1048576.0,
-                s.threads,
-                s.files,
-                s.disk as f64 / 1048576.0
-            );
+            let s = Sample::take(started.elapsed().as_secs_f64() / 60.0, pid, &out);
+            s.print(0, round);
             samples.push(s);
             next_sample += Duration::from_secs(60);
         }
@@ -223,21 +236,8 @@ pub fn soak(minutes: f64) {
             break;
         }
     }
-    let s = Sample {
-        minute: started.elapsed().as_secs_f64() / 60.0,
-        rss: hostile::rss_bytes(pid),
-        threads: hostile::threads(pid),
-        files: hostile::open_files(pid),
-        disk: hostile::disk_usage(&out),
-    };
-    println!(
-        "| {:.1} | {:.1} | {} | {} | {:.0} | {round} |",
-        s.minute,
-        s.rss as f64 / 1048576.0,
-        s.threads,
-        s.files,
-        s.disk as f64 / 1048576.0
-    );
+    let s = Sample::take(started.elapsed().as_secs_f64() / 60.0, pid, &out);
+    s.print(1, round);
     samples.push(s);
     let warm: Vec<&Sample> = samples.iter().filter(|s| s.minute >= 1.0).collect();
     let per_minute = |f: &dyn Fn(&Sample) -> f64| {
