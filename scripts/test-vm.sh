@@ -29,10 +29,12 @@ for l in sys.stdin:
         print(m["executable"])')"
 pipelines="$(test_exe gst-plugin-rdma pipelines)"
 harness="$(test_exe gst-plugin-rdma harness)"
-for exe in "$core" "$processes" "$pipelines" "$harness"; do
+netfaults="$(test_exe rdmastream-integration netfaults)"
+for exe in "$core" "$processes" "$pipelines" "$harness" "$netfaults"; do
   [ -x "$exe" ] || { echo "test-vm: could not build the test executables" >&2; exit 1; }
 done
 echo "== over verbs (Soft-RoCE rxe0 in a VM): $core (isolation), $processes, $pipelines, $harness"
+echo "== and with the VM's kernel netem (delay, reordering, loss) between two namespaces: $netfaults"
 scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
   env RDMASTREAM_PREBUILT=1 RDMASTREAM_IT_TRANSPORT=verbs RDMASTREAM_IT_HOST=192.0.2.1 \
   RDMASTREAM_TEST_TRANSPORT=verbs RDMASTREAM_TEST_HOST=192.0.2.1 RUST_BACKTRACE=1 \
@@ -42,4 +44,6 @@ scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
     run 120 "$1" --test-threads=1 isolation_tests; i=$?
     run 480 "$2" --test-threads=1; a=$?; run 420 "$3" --test-threads=1; b=$?
     run 360 "$4" --test-threads=1; c=$?
-    exit $((i | a | b | c))' _ "$core" "$processes" "$pipelines" "$harness"
+    RDMASTREAM_REQUIRE_NETNS=1 RDMASTREAM_REQUIRE_NETEM=1 \
+      run 420 "$5" --test-threads=1 delay_reordering_loss; d=$?
+    exit $((i | a | b | c | d))' _ "$core" "$processes" "$pipelines" "$harness" "$netfaults"

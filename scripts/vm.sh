@@ -64,7 +64,9 @@ readonly CACHE_DIR
 readonly PACKAGES=(qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-utils
     ibverbs-providers libibverbs1 perftest iproute2 xz-utils)
 # Loaded in this order, each after its dependencies.
-readonly MODULES=(crc32_generic virtio_pci virtio_console 9pnet_virtio 9p dummy rdma_rxe ib_uverbs rdma_ucm)
+# veth and sch_netem: the network-fault test (delay, reordering) between two namespaces.
+readonly MODULES=(crc32_generic virtio_pci virtio_console 9pnet_virtio 9p dummy rdma_rxe ib_uverbs rdma_ucm
+    veth sch_netem)
 # Bump when the layout of the cached initramfs changes.
 readonly INITRD_FORMAT=1
 readonly ENV_PASS=(PATH HOME USER LOGNAME LANG LANGUAGE TZ CI RUST_LOG RUST_BACKTRACE

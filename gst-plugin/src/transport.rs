@@ -140,12 +140,9 @@ pub fn element_key(
         (Some(k), None) => Key::new(k.trim().as_bytes().to_vec())
             .map(Some)
             .map_err(|e| format!("key: {e}")),
-        (None, Some(path)) => {
-            let text = std::fs::read(path).map_err(|e| format!("key-file {path}: {e}"))?;
-            Key::new(text.trim_ascii().to_vec())
-                .map(Some)
-                .map_err(|e| format!("key-file {path}: {e}"))
-        }
+        (None, Some(path)) => rdmastream::app::read_key_file(std::path::Path::new(path))
+            .map(Some)
+            .map_err(|e| format!("key-file: {e}")),
         (None, None) => Ok(None),
     }
 }

@@ -228,24 +228,33 @@ pub fn load_key(
             } else {
                 p.to_path_buf()
             };
-            let text = std::fs::read(&path).map_err(|e| {
-                ConfigError::new(
-                    file,
-                    format!("{what}key_file"),
-                    format!("cannot read {}: {e}", path.display()),
-                )
-            })?;
-            let trimmed = text.trim_ascii();
-            Key::new(trimmed.to_vec()).map(Some).map_err(|e| {
-                ConfigError::new(
-                    file,
-                    format!("{what}key_file"),
-                    format!("{}: {e}", path.display()),
-                )
-            })
+            read_key_file(&path)
+                .map(Some)
+                .map_err(|e| ConfigError::new(file, format!("{what}key_file"), e))
         }
         (None, None) => Ok(None),
     }
+}
+
+/// Reads a key file: its content without surrounding whitespace. Reads at most a few KiB, so a
+/// key file pointing at a device or a huge file is an error, not an unbounded read; `Err` names
+/// the path and says why.
+pub fn read_key_file(path: &Path) -> Result<crate::proto::handshake::Key, String> {
+    use crate::proto::handshake::{Key, MAX_KEY_LEN};
+    use std::io::Read;
+    // Room for the longest key as hex with whitespace around it.
+    let limit = 2 * MAX_KEY_LEN + 1024;
+    let mut text = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(limit as u64 + 1).read_to_end(&mut text))
+        .map_err(|e| format!("cannot read {}: {}", path.display(), describe_error(&e)))?;
+    if text.len() > limit {
+        return Err(format!(
+            "{}: longer than {limit} bytes, not a key file",
+            path.display()
+        ));
+    }
+    Key::new(text.trim_ascii().to_vec()).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// True when every address `addr` (`host:port`) resolves to is a loopback address.
@@ -274,6 +283,34 @@ mod tests {
         assert_eq!(ByteSize(8 << 30).to_string(), "8 GiB");
         assert!(is_loopback("127.0.0.1:7471") && is_loopback("[::1]:1"));
         assert!(!is_loopback("0.0.0.0:7471"));
+    }
+
+    #[test]
+    fn a_key_file_is_read_bounded_and_trimmed() {
+        let dir = tempfile::tempdir().unwrap();
+        let good = dir.path().join("good.key");
+        std::fs::write(&good, "  0123456789abcdef0123456789abcdef\n").unwrap();
+        let key = read_key_file(&good).unwrap();
+        let want = crate::proto::handshake::Key::new(*b"0123456789abcdef0123456789abcdef");
+        assert!(
+            key == want.unwrap(),
+            "whitespace around the key is not part of it"
+        );
+        let huge = dir.path().join("huge.key");
+        std::fs::write(&huge, vec![b'a'; 1 << 20]).unwrap();
+        let e = read_key_file(&huge).unwrap_err();
+        assert!(
+            e.contains("huge.key") && e.contains("not a key file"),
+            "{e}"
+        );
+        // An endless device is not read to the end.
+        let e = read_key_file(Path::new("/dev/zero")).unwrap_err();
+        assert!(e.contains("/dev/zero"), "{e}");
+        let e = read_key_file(&dir.path().join("missing.key")).unwrap_err();
+        assert!(
+            e.contains("missing.key") && e.contains("cannot read"),
+            "{e}"
+        );
     }
 }
 

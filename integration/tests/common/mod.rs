@@ -98,3 +98,19 @@ pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     std::fs::write(&p, text).unwrap();
     p
 }
+
+/// The number of frames the sender's summary says it wrote ("...: N frames written"), from its
+/// log.
+pub fn frames_written(log: &Path) -> u64 {
+    let text = String::from_utf8_lossy(&std::fs::read(log).unwrap()).into_owned();
+    text.lines()
+        .find_map(|l| {
+            l.split_once("s: ")?
+                .1
+                .split_once(" frames written")?
+                .0
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no 'frames written' in the sender's log:\n{}", tail(log)))
+}
