@@ -51,8 +51,25 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
+const USAGE: &str = "usage: bench [throughput|cameras|frame-cpu|verbs|verbs-sync|soak|all] \
+                     [--seconds S] [--rounds R] [--minutes M]";
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return;
+    }
+    // Every option takes a number; anything else is a mistake, not something to ignore (a
+    // mistyped option would otherwise start a ten-minute soak).
+    for pair in args[1.min(args.len())..].chunks(2) {
+        let known = ["--seconds", "--rounds", "--minutes"].contains(&pair[0].as_str());
+        let number = pair.get(1).is_some_and(|v| v.parse::<f64>().is_ok());
+        if !known || !number {
+            eprintln!("bench: bad option {:?}\n{USAGE}", pair.join(" "));
+            std::process::exit(2);
+        }
+    }
     let what = args.first().map(String::as_str).unwrap_or("all");
     let seconds: f64 = args
         .iter()
@@ -95,9 +112,7 @@ fn main() {
             cameras(10.0);
         }
         other => {
-            eprintln!(
-                "usage: bench [throughput|cameras|frame-cpu|verbs|verbs-sync|soak|all] [--seconds S] [--rounds R] [--minutes M]  (unknown: {other})"
-            );
+            eprintln!("bench: unknown benchmark {other:?}\n{USAGE}");
             std::process::exit(2);
         }
     }

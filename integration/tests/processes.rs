@@ -124,7 +124,7 @@ fn frames_arrive_complete_in_order_bit_exact_across_retained_blocks_and_packet_w
         tail(&rx_log)
     );
     assert!(
-        rx_text.contains(&format!("transport {}", it.transport)) || it.transport == "tcp",
+        rx_text.contains(&format!("(transport {})", it.transport)),
         "{}",
         tail(&rx_log)
     );

@@ -74,17 +74,57 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(
     })
 }
 
-/// The shipped example config `name` (in `configs/`): found relative to the current directory,
-/// else next to the source tree this binary was built from.
-pub fn default_config(name: &str) -> PathBuf {
-    let local = Path::new("configs").join(name);
-    if local.exists() {
-        return local;
+/// The config file to use when none is given: `configs/NAME` in the current directory, else
+/// next to the executable (`<exe dir>/NAME`, an installed `<exe dir>/../share/rdmastream/NAME`, or
+/// the source tree's `configs/` for a binary in `target/<profile>/`). Looked up at run time, so a
+/// copied binary does not depend on where it was built; `None` when there is none (the binary
+/// then runs on its built-in defaults and says so).
+pub fn default_config(name: &str) -> Option<PathBuf> {
+    let mut candidates = vec![Path::new("configs").join(name)];
+    if let Some(dir) = std::env::current_exe().ok().and_then(|e| {
+        e.canonicalize()
+            .ok()
+            .and_then(|e| e.parent().map(Path::to_path_buf))
+    }) {
+        candidates.push(dir.join(name));
+        candidates.push(dir.join("../share/rdmastream").join(name));
+        candidates.push(dir.join("../../configs").join(name));
     }
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("configs")
-        .join(name)
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+/// Loads the config file `given` (from `--config`), else [`default_config`]`(name)`, else, when
+/// `builtin` is true, the built-in defaults (an empty file, with a notice), or an error saying to
+/// pass `--config`; returns the file that errors should name.
+pub fn load_config<T: serde::de::DeserializeOwned>(
+    given: Option<PathBuf>,
+    name: &str,
+    builtin: bool,
+) -> Result<(PathBuf, T), ConfigError> {
+    match given.or_else(|| default_config(name)) {
+        Some(file) => {
+            let cfg = load_toml(&file)?;
+            Ok((file, cfg))
+        }
+        None if !builtin => Err(ConfigError::new(
+            Path::new(name),
+            "",
+            format!(
+                "no --config given, and no configs/{name} in the current directory or next to \
+                 the executable: pass --config FILE (the source tree's configs/{name} is an \
+                 example)"
+            ),
+        )),
+        None => {
+            tracing::info!(
+                "no --config and no configs/{name} here or next to the executable: \
+                 built-in defaults"
+            );
+            let file = PathBuf::from(format!("(built-in defaults for {name})"));
+            let cfg = parse_toml("", &file)?;
+            Ok((file, cfg))
+        }
+    }
 }
 
 /// Logs to stderr, honouring RUST_LOG (default `info`).

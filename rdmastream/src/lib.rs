@@ -4,8 +4,9 @@
 //!
 //! It deliberately does not define the config files or own a command line: the `sender` and
 //! `receiver` binaries do that and wire these pieces together ([`app`] holds the few helpers they
-//! share: TOML loading with file/key errors, logging, the status-line clock). It does not talk to
-//! RDMA hardware yet: the verbs transport is the next step.
+//! share: TOML loading with file/key errors, logging, the status-line clock). The transports are
+//! `mem` (in-process), `tcp` (software emulation of the one-sided operations) and `verbs` (real
+//! RDMA through rdma-core; the only `unsafe` code, in `transport::verbs`).
 #![deny(unsafe_code)]
 
 pub mod error;

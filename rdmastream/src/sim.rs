@@ -105,6 +105,8 @@ pub struct SimReport {
     pub delivered: Vec<(u8, u64, Vec<u8>)>,
     pub ended: Vec<u8>,
     pub dropped: u64,
+    /// Per device: frames dropped at the source queue (they add up to `dropped`).
+    pub dropped_by_device: std::collections::BTreeMap<u8, u64>,
     pub syncs: u64,
     pub retained_skipped: u64,
     pub gap_packets: u64,
@@ -287,6 +289,7 @@ pub fn run(cfg: &SimConfig, limit: Duration) -> SimReport {
                     if queues[i].len() >= cfg.queue_depth {
                         queues[i].pop_front();
                         report.dropped += 1;
+                        *report.dropped_by_device.entry(d.id).or_default() += 1;
                     }
                     queues[i].push_back(Queued::Frame(produced[i]));
                     produced[i] += 1;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 
-use rdmastream::app::{ByteSize, ConfigError, default_config, every, init_logging};
+use rdmastream::app::{ByteSize, ConfigError, every, init_logging, load_config};
 use rdmastream::config::{ReceiverConfig, ReceiverPlan};
 use rdmastream::engine::{ReceiverHandle, StreamKey};
 use rdmastream::sink::DirectorySink;
@@ -59,11 +59,7 @@ fn main() {
 }
 
 fn run(cli: Cli) -> anyhow::Result<i32> {
-    let file = cli
-        .config
-        .clone()
-        .unwrap_or_else(|| default_config("receiver.toml"));
-    let mut cfg = ReceiverConfig::load(&file)?;
+    let (file, mut cfg): (_, ReceiverConfig) = load_config(cli.config.clone(), "receiver.toml", true)?;
     if let Some(o) = cli.out {
         cfg.out = o;
     }
@@ -85,7 +81,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         port: cfg.ib_port,
         gid_index: cfg.gid_index,
     };
-    let listener: Box<dyn Listener> = match transport::choose(&cfg.transport, &verbs)? {
+    let kind = transport::choose(&cfg.transport, &verbs)?;
+    let listener: Box<dyn Listener> = match kind {
         Kind::Tcp => Box::new(rdmastream::transport::tcp::listen(&cfg.listen, region)?),
         Kind::Verbs => Box::new(rdmastream::transport::verbs::listen(
             &cfg.listen,
@@ -109,9 +106,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     };
     let receiver = ReceiverHandle::start(opts, listener, sink)?;
     tracing::info!(
-        "receiver listening on {} ({}), {} blocks of {} bytes per sender, writing to {}",
+        "receiver listening on {} (transport {kind}), {} blocks of {} bytes per sender, writing to {}",
         receiver.local_addr(),
-        cfg.transport,
         cfg.blocks,
         cfg.block_size,
         cfg.out.display()
@@ -181,6 +177,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         }
     }
     let p = line.total_latency();
+    let ms = |d: Option<std::time::Duration>| match d {
+        Some(d) => format!("{:.3} ms", d.as_secs_f64() * 1e3),
+        None => "- (no frames)".to_string(),
+    };
     let listed = |m: Vec<(String, u64)>| {
         if m.is_empty() {
             "none".to_string()
@@ -192,7 +192,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         }
     };
     tracing::info!(
-        "summary: {blocks} blocks, {idle} idle polls, {refused} connections refused ({}), {} work requests posted by the receiver, invalid blocks: {}, latency p50 {:?} p99 {:?}",
+        "summary: {blocks} blocks, {idle} idle polls, {refused} connections refused ({}), {} work requests posted by the receiver, invalid blocks: {}, latency p50 {} p99 {}",
         listed(
             refused_by_kind
                 .iter()
@@ -201,8 +201,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         ),
         posted_work_requests(),
         listed(invalid.iter().map(|(k, n)| (k.to_string(), *n)).collect()),
-        p.quantile(0.5),
-        p.quantile(0.99)
+        ms(p.quantile(0.5)),
+        ms(p.quantile(0.99))
     );
     let ev = files.evictions();
     tracing::info!(

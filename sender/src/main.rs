@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 
-use rdmastream::app::{ConfigError, default_config, every, init_logging, load_key};
+use rdmastream::app::{ConfigError, every, init_logging, load_config, load_key};
 use rdmastream::config::{SenderConfig, Source};
 use rdmastream::engine::{SenderHandle, SenderOptions};
 use rdmastream::source::Producer;
@@ -63,11 +63,7 @@ fn main() {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let file = cli
-        .config
-        .clone()
-        .unwrap_or_else(|| default_config("sender.toml"));
-    let mut cfg = SenderConfig::load(&file)?;
+    let (file, mut cfg): (_, SenderConfig) = load_config(cli.config.clone(), "sender.toml", false)?;
     if let Some(r) = cli.receiver {
         cfg.receiver = r;
     }

@@ -32,7 +32,8 @@
 //! follows. A sink stopped without EOS ends its device's stream as well (the receiver sees
 //! end-of-stream, not a lost sender); only a lost connection leaves the receiver waiting.
 //!
-//! For now `block-size` must equal the receiver's (the element says so when they differ).
+//! `block-size` must not exceed the receiver's (the element says so when it does); a smaller one
+//! leaves the rest of each receiver block unused.
 
 use gst::glib;
 use gst::prelude::*;

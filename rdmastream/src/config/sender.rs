@@ -228,8 +228,14 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
             "images" => {
                 let (width, height) = dims(640, 480)?;
                 let dir = d.dir.clone().unwrap_or_else(|| PathBuf::from("assets"));
+                // A relative directory: from the current directory, else from the config
+                // file's directory or its parent (the shipped configs/ sits beside assets/).
                 let dir = if dir.is_relative() && !dir.exists() {
-                    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(&dir)
+                    let base = file.parent().unwrap_or(Path::new("."));
+                    [base.join(&dir), base.join("..").join(&dir)]
+                        .into_iter()
+                        .find(|d| d.is_dir())
+                        .unwrap_or(dir)
                 } else {
                     dir
                 };

@@ -7,6 +7,9 @@
 //!   transport thread plays the NIC: it applies WRITEs to the registered region in posting order
 //!   (status byte published with release ordering after the data), answers READs, and
 //!   acknowledges signaled work requests so the sender gets RC-like completions.
+//! - [`verbs`]: RDMA verbs through rdma-core (a NIC, or Soft-RoCE): the sender posts the WRITE
+//!   chain and the sync READ on one RC queue pair; the receiver only registers its region and
+//!   exchanges keys over a TCP side channel. All of the crate's `unsafe` code is here.
 //!
 //! The receiver side of every transport is passive: the receiver's own code only reads blocks
 //! and stores status bytes in its [`Region`]; it never posts anything.
@@ -304,6 +307,15 @@ impl std::fmt::Display for RefusalKind {
 pub enum Kind {
     Tcp,
     Verbs,
+}
+
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Kind::Tcp => "tcp",
+            Kind::Verbs => "verbs",
+        })
+    }
 }
 
 /// Resolves a `transport` setting (`auto`, `verbs`, `tcp`). `auto` uses verbs when the
