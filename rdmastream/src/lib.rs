@@ -11,7 +11,8 @@
 
 pub mod error;
 pub mod logsafe;
-pub mod proto;
+/// The IO-free protocol core (the `rdmastream-proto` crate).
+pub use rdmastream_proto as proto;
 pub mod transport;
 
 /// Re-exported: frames are [`bytes::Bytes`].

@@ -59,7 +59,8 @@ fn main() {
 }
 
 fn run(cli: Cli) -> anyhow::Result<i32> {
-    let (file, mut cfg): (_, ReceiverConfig) = load_config(cli.config.clone(), "receiver.toml", true)?;
+    let (file, mut cfg): (_, ReceiverConfig) =
+        load_config(cli.config.clone(), "receiver.toml", true)?;
     if let Some(o) = cli.out {
         cfg.out = o;
     }

@@ -407,7 +407,7 @@ impl DeviceStream {
         let consistent = a.next_fragment == h.fragment_index
             && a.first.fragment_count == h.fragment_count
             && a.first.frame_index == h.frame_index
-            && (a.first.flags ^ h.flags) & !crate::proto::header::flags::STREAM_START == 0
+            && (a.first.flags ^ h.flags) & !crate::header::flags::STREAM_START == 0
             && a.first.message_len == h.message_len
             && a.data.len() + p.payload.len() <= h.message_len as usize;
         if !consistent {
@@ -494,9 +494,9 @@ impl DeviceStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::budget::Budget;
-    use crate::proto::header::OVERHEAD;
-    use crate::proto::packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range};
+    use crate::budget::Budget;
+    use crate::header::OVERHEAD;
+    use crate::packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range};
 
     fn packets(n: &mut DeviceNumbering, frames: usize, len: usize, block: usize) -> Vec<Packet> {
         let mut out = Vec::new();
@@ -638,7 +638,7 @@ mod tests {
             let header = BlockHeader {
                 device: 1,
                 packet: 0,
-                flags: crate::proto::header::flags::STREAM_START,
+                flags: crate::header::flags::STREAM_START,
                 fragment_index: 0,
                 fragment_count: 2,
                 payload_len: 1,

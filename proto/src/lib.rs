@@ -1,6 +1,11 @@
-//! The protocol core: block layout, sender and receiver decisions. No IO, no threads, no clock
-//! reads: time comes in as an argument. Everything here is deterministic and tested by the
-//! simulator in [`crate::sim`].
+//! rdmastream's protocol core, the status-byte-assisted mechanism of the paper (section 3) as
+//! data and decisions: the block layout (header, trailer, status bytes), the handshake and its
+//! proofs, the sender's state machine (which block, when to sync, what a completion confirms),
+//! fragmentation and reassembly, per-device reordering, and memory budgets.
+//!
+//! What it does not do: no IO, no threads, no sockets, no clock reads (time comes in as an
+//! argument), no images, no config files, no `unsafe`. Everything here is deterministic; the
+//! `rdmastream` crate drives it with real transports and its simulator (`rdmastream::sim`).
 #![forbid(unsafe_code)]
 
 pub mod ack;

@@ -29,7 +29,7 @@ pub mod status {
 pub mod flags {
     /// The device's stream ends with this message (its payload is empty).
     pub const END_OF_STREAM: u8 = 0x01;
-    /// The payload is a format descriptor (see [`crate::proto::Format`]), not frame data.
+    /// The payload is a format descriptor (see [`crate::Format`]), not frame data.
     pub const FORMAT: u8 = 0x02;
     /// First block of the device's stream: the receiver starts reordering at this packet number.
     pub const STREAM_START: u8 = 0x04;

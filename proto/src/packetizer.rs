@@ -143,8 +143,8 @@ pub fn fragment_range(k: usize, len: usize, block_size: usize) -> std::ops::Rang
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::header::OVERHEAD;
-    use crate::proto::packetizer::MessageTimes;
+    use crate::header::OVERHEAD;
+    use crate::packetizer::MessageTimes;
 
     #[test]
     fn splits_and_numbers() {
