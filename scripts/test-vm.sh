@@ -20,8 +20,8 @@ for l in sys.stdin:
         print(m["executable"])' "$2"
 }
 processes="$(test_exe rdmastream-integration processes)"
-# The core's unit tests include the verbs isolation test (protection domain per sender).
-core="$(cargo test --release -p rdmastream --lib --no-run --message-format=json 2>/dev/null |
+# The verbs crate's unit tests include the isolation test (protection domain per sender).
+core="$(cargo test --release -p rdmastream-verbs --lib --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json, sys
 for l in sys.stdin:
     m = json.loads(l)

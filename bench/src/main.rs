@@ -34,9 +34,9 @@ use rdmastream::source::SourceFrame;
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{self, TcpConnector};
-use rdmastream::transport::verbs::{self, VerbsConnector, VerbsSettings};
 use rdmastream::transport::{Connector, Listener, RegionSettings};
 use rdmastream::transport::{RemoteAddr, Target};
+use rdmastream_verbs::{self as verbs, VerbsConnector, VerbsSettings};
 
 const SIZES: [usize; 10] = [
     64,
@@ -525,7 +525,7 @@ fn verbs(secs: f64) {
         port: 1,
         gid_index: None,
     };
-    match rdmastream::transport::verbs::probe(&settings) {
+    match verbs::probe(&settings) {
         Ok(what) => println!(
             "== verbs on {what}, {secs:.1} s per point; perftest on the same device in the same run =="
         ),

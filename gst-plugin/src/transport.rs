@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use gst::glib;
 
 use rdmastream::transport::tcp::{self, TcpConnector};
-pub use rdmastream::transport::verbs::VerbsSettings;
-use rdmastream::transport::verbs::{self, VerbsConnector};
 use rdmastream::transport::{Connector, Kind, Listener, RegionSettings};
+pub use rdmastream_verbs::VerbsSettings;
+use rdmastream_verbs::{self as verbs, VerbsConnector};
 
 /// Which data path carries the blocks.
 #[derive(Debug, Default, Eq, PartialEq, Ord, PartialOrd, Hash, Clone, Copy, glib::Enum)]
@@ -69,7 +69,7 @@ pub enum DropPolicy {
 /// Resolves the property: `auto` probes for a usable RDMA device (and says in the log why it
 /// falls back to tcp), `verbs` without one is an error naming what was looked for.
 fn choose(transport: Transport, verbs: &VerbsSettings) -> Result<Kind, String> {
-    rdmastream::transport::choose(transport.nick(), verbs).map_err(|e| e.to_string())
+    verbs::choose(transport.nick(), verbs).map_err(|e| e.to_string())
 }
 
 /// A connector to `peer` (`host:port`) over `transport`.

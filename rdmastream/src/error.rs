@@ -42,10 +42,11 @@ pub enum Error {
     #[error("invalid setting {key}: {reason}")]
     Invalid { key: String, reason: String },
     /// An RDMA verbs operation failed.
-    #[error("RDMA: {op}: {cause}")]
+    #[error("RDMA: {op}: {source}")]
     Rdma {
         op: String,
-        cause: crate::transport::verbs::ibv::VerbsError,
+        /// What the verbs layer reported (`rdmastream_verbs::ibv::VerbsError`).
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// Spawning a thread failed.
     #[error("cannot start thread {name}: {source}")]
@@ -53,14 +54,14 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Error {
+    pub fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Error {
         Error::Invalid {
             key: key.into(),
             reason: reason.into(),
         }
     }
 
-    pub(crate) fn io(path: impl Into<PathBuf>, source: io::Error) -> Error {
+    pub fn io(path: impl Into<PathBuf>, source: io::Error) -> Error {
         Error::Io {
             path: path.into(),
             source,
@@ -80,7 +81,7 @@ impl Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Spawns a named thread, reporting failure as [`Error::Thread`].
-pub(crate) fn spawn<T: Send + 'static>(
+pub fn spawn<T: Send + 'static>(
     name: impl Into<String>,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<std::thread::JoinHandle<T>> {

@@ -1,13 +1,14 @@
-//! rdmastream core: the status-byte-assisted RDMA mechanism (paper section 3) as an IO-free
-//! protocol core ([`proto`]), the transports that carry it ([`transport`]), the threads that
-//! drive it ([`engine`]), and the sources and sinks of frames ([`source`], [`sink`]).
+//! rdmastream engine: the threads that drive the IO-free protocol core ([`proto`], re-exported
+//! from `rdmastream-proto`) over a transport ([`engine`], [`transport`]), and the sources and
+//! sinks of frames ([`source`], [`sink`]).
 //!
 //! It deliberately does not define the config files or own a command line: the `sender` and
 //! `receiver` binaries do that and wire these pieces together ([`app`] holds the few helpers they
-//! share: TOML loading with file/key errors, logging, the status-line clock). The transports are
-//! `mem` (in-process), `tcp` (software emulation of the one-sided operations) and `verbs` (real
-//! RDMA through rdma-core; the only `unsafe` code, in `transport::verbs`).
-#![deny(unsafe_code)]
+//! share: TOML loading with file/key errors, logging, the status-line clock). The transports here
+//! are `mem` (in-process) and `tcp` (software emulation of the one-sided operations); real RDMA
+//! verbs are the `rdmastream-verbs` crate, which implements the same [`transport`] traits and
+//! holds all of the project's `unsafe` code (this crate forbids it).
+#![forbid(unsafe_code)]
 
 pub mod error;
 pub mod logsafe;

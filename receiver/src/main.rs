@@ -14,8 +14,8 @@ use rdmastream::config::{ReceiverConfig, ReceiverPlan};
 use rdmastream::engine::{ReceiverHandle, StreamKey};
 use rdmastream::sink::DirectorySink;
 use rdmastream::stats::{StatusLine, get};
-use rdmastream::transport::verbs::{VerbsSettings, posted_work_requests};
-use rdmastream::transport::{self, Kind, Listener};
+use rdmastream::transport::{Kind, Listener};
+use rdmastream_verbs::{VerbsSettings, posted_work_requests};
 
 /// Receives frames from rdmastream senders into per-device directories.
 #[derive(Parser, Debug)]
@@ -82,14 +82,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         port: cfg.ib_port,
         gid_index: cfg.gid_index,
     };
-    let kind = transport::choose(&cfg.transport, &verbs)?;
+    let kind = rdmastream_verbs::choose(&cfg.transport, &verbs)?;
     let listener: Box<dyn Listener> = match kind {
         Kind::Tcp => Box::new(rdmastream::transport::tcp::listen(&cfg.listen, region)?),
-        Kind::Verbs => Box::new(rdmastream::transport::verbs::listen(
-            &cfg.listen,
-            region,
-            verbs,
-        )?),
+        Kind::Verbs => Box::new(rdmastream_verbs::listen(&cfg.listen, region, verbs)?),
     };
     let files = Arc::new(
         DirectorySink::new(sink_opts)

@@ -15,8 +15,8 @@ use rdmastream::engine::{SenderHandle, SenderOptions};
 use rdmastream::source::Producer;
 use rdmastream::stats::StatusLine;
 use rdmastream::transport::tcp::TcpConnector;
-use rdmastream::transport::verbs::{VerbsConnector, VerbsSettings};
-use rdmastream::transport::{self, Connector, Kind};
+use rdmastream::transport::{Connector, Kind};
+use rdmastream_verbs::{VerbsConnector, VerbsSettings};
 
 /// Streams synthetic cameras, radars or image files to an rdmastream receiver.
 #[derive(Parser, Debug)]
@@ -81,7 +81,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         gid_index: cfg.gid_index,
     };
     let peer_timeout = Duration::from_secs_f64(cfg.peer_timeout);
-    let connector: Box<dyn Connector> = match transport::choose(&cfg.transport, &verbs)? {
+    let connector: Box<dyn Connector> = match rdmastream_verbs::choose(&cfg.transport, &verbs)? {
         Kind::Tcp => {
             Box::new(TcpConnector::new(cfg.receiver.clone()).with_peer_timeout(peer_timeout))
         }

@@ -334,7 +334,7 @@ impl SenderHandle {
     }
 
     /// No more devices will be added: once every device has ended, the sending thread delivers
-    /// what is left and stops ([`Sender::is_finished`]). [`Sender::finish`] implies this.
+    /// what is left and stops ([`SenderHandle::is_finished`]). [`SenderHandle::finish`] implies this.
     pub fn close(&mut self) {
         self.control.take();
     }

@@ -7,9 +7,10 @@
 //!   transport thread plays the NIC: it applies WRITEs to the registered region in posting order
 //!   (status byte published with release ordering after the data), answers READs, and
 //!   acknowledges signaled work requests so the sender gets RC-like completions.
-//! - [`verbs`]: RDMA verbs through rdma-core (a NIC, or Soft-RoCE): the sender posts the WRITE
-//!   chain and the sync READ on one RC queue pair; the receiver only registers its region and
-//!   exchanges keys over a TCP side channel. All of the crate's `unsafe` code is here.
+//! - verbs (the `rdmastream-verbs` crate): RDMA verbs through rdma-core (a NIC, or Soft-RoCE):
+//!   the sender posts the WRITE chain and the sync READ on one RC queue pair; the receiver only
+//!   registers its region and exchanges keys over a TCP side channel (the handshake helpers in
+//!   [`tcp`]). All of the project's `unsafe` code is there.
 //!
 //! The receiver side of every transport is passive: the receiver's own code only reads blocks
 //! and stores status bytes in its [`Region`]; it never posts anything.
@@ -18,7 +19,6 @@ pub mod access;
 pub mod mem;
 pub mod region;
 pub mod tcp;
-pub mod verbs;
 
 use std::time::Duration;
 
@@ -315,34 +315,5 @@ impl std::fmt::Display for Kind {
             Kind::Tcp => "tcp",
             Kind::Verbs => "verbs",
         })
-    }
-}
-
-/// Resolves a `transport` setting (`auto`, `verbs`, `tcp`). `auto` uses verbs when the
-/// configured RDMA device is usable and otherwise says in one log line why it falls back to
-/// tcp; `verbs` without a usable device is an error naming what was looked for.
-pub fn choose(transport: &str, verbs: &verbs::VerbsSettings) -> Result<Kind> {
-    match transport {
-        "tcp" => Ok(Kind::Tcp),
-        "verbs" => verbs::probe(verbs).map(|what| {
-            tracing::info!("transport verbs: {what}");
-            Kind::Verbs
-        }),
-        "auto" => match verbs::probe(verbs) {
-            Ok(what) => {
-                tracing::info!("transport auto: using RDMA verbs on {what}");
-                Ok(Kind::Verbs)
-            }
-            Err(e) => {
-                tracing::info!(
-                    "transport auto: no usable RDMA device ({e}); using the tcp software transport"
-                );
-                Ok(Kind::Tcp)
-            }
-        },
-        other => Err(crate::Error::Invalid {
-            key: "transport".into(),
-            reason: format!("{other:?} is not one of auto, verbs, tcp"),
-        }),
     }
 }

@@ -87,7 +87,7 @@ fn target_of(code: u8) -> Option<Target> {
 }
 
 /// Writes one length-prefixed handshake message.
-pub(crate) fn send_message(stream: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+pub fn send_message(stream: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
     let mut framed = Vec::with_capacity(4 + body.len());
     framed.extend_from_slice(&(body.len() as u32).to_le_bytes());
     framed.extend_from_slice(body);
@@ -125,7 +125,7 @@ fn read_until(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std:
 }
 
 /// Reads one length-prefixed handshake message (bounded by [`MAX_MESSAGE`]) before `deadline`.
-pub(crate) fn recv_message(
+pub fn recv_message(
     stream: &mut TcpStream,
     deadline: Instant,
 ) -> std::result::Result<Vec<u8>, String> {
@@ -245,12 +245,7 @@ pub fn client_handshake(
 }
 
 /// Refuses a connection: logs why with the peer (rate-limited), answers with a refusal, closes.
-pub(crate) fn refuse(
-    stream: &mut TcpStream,
-    peer: &str,
-    kind: RefusalKind,
-    why: String,
-) -> Refusal {
+pub fn refuse(stream: &mut TcpStream, peer: &str, kind: RefusalKind, why: String) -> Refusal {
     crate::warn_limited!(
         format!("refused-{kind}"),
         "refused connection from {peer} ({kind}): {}",
@@ -266,7 +261,7 @@ pub(crate) fn refuse(
 }
 
 /// A sender that went away after it was admitted, before the handshake completed.
-pub(crate) fn lost(peer: &str, sender: &str, e: impl std::fmt::Display) -> Refusal {
+pub fn lost(peer: &str, sender: &str, e: impl std::fmt::Display) -> Refusal {
     let why = format!("sender '{sender}' closed the connection during the handshake: {e}");
     crate::warn_limited!("refused-lost", "{peer}: {why}");
     Refusal {
@@ -278,7 +273,7 @@ pub(crate) fn lost(peer: &str, sender: &str, e: impl std::fmt::Display) -> Refus
 
 /// What a receiver's handshake produced: the sender, where it is, its hold on its name, and
 /// whatever the transport built for it.
-pub(crate) struct Admitted<T> {
+pub struct Admitted<T> {
     pub hello: Hello,
     pub peer: String,
     pub lease: Lease,
@@ -291,7 +286,7 @@ pub(crate) struct Admitted<T> {
 /// transport needs and produce the Welcome, which it proves and sends. The whole exchange must
 /// finish within [`HANDSHAKE_TIMEOUT`]. On any problem the connection is refused and the refusal
 /// returned; nothing is allocated before the sender proved its key.
-pub(crate) fn server_handshake<T>(
+pub fn server_handshake<T>(
     stream: &mut TcpStream,
     settings: &RegionSettings,
     path: DataPath,
@@ -428,7 +423,7 @@ pub(crate) fn server_handshake<T>(
     })
 }
 
-pub(crate) fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
+pub fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
     addr.to_socket_addrs()?.next().ok_or_else(|| {
         std::io::Error::new(std::io::ErrorKind::NotFound, "address resolves to nothing")
     })
@@ -880,7 +875,7 @@ impl SideChannelListener {
     /// Binds `addr` and accepts on it in a thread named after `transport` until dropped; each
     /// connection (blocking again) goes to `handshake` on a thread of its own, within the
     /// handshake limits above.
-    pub(crate) fn bind(
+    pub fn bind(
         transport: &'static str,
         addr: &str,
         handshake: impl Fn(TcpStream) -> std::result::Result<Accepted, Refusal> + Send + Sync + 'static,

@@ -1,8 +1,10 @@
 //! The RDMA verbs transport: the mechanism on real one-sided RDMA (InfiniBand, RoCE, Soft-RoCE).
 //!
-//! All `unsafe` of the project lives in this module: [`ibv`] is a small safe layer over
-//! `ibverbs-sys`, and this file uses its two `unsafe fn`s (posting work requests) with the
-//! protocol's argument for why the memory they name is left alone until completion.
+//! This crate (`rdmastream-verbs`) holds all of the project's `unsafe` code: [`ibv`] is a small
+//! safe layer over `ibverbs-sys`, and this file uses its two `unsafe fn`s (posting work
+//! requests) with the protocol's argument for why the memory they name is left alone until
+//! completion. It implements the `rdmastream::transport` traits; the engine does not know it
+//! exists, the binaries and the GStreamer elements pick it with [`choose`].
 //!
 //! Connection setup runs over a TCP side channel (like perftest): the sender sends a Hello with
 //! its queue pair's number, PSN, LID and GID; the receiver validates it *before* allocating
@@ -11,7 +13,6 @@
 //! that only ever acts as responder, and answers with a Welcome carrying addresses, rkeys and
 //! its queue pair. The side channel stays open: its end tells the receiver the sender is gone.
 //! The receiver never posts a work request ([`posted_work_requests`] counts them per process).
-#![allow(unsafe_code)]
 
 pub mod ibv;
 
@@ -23,19 +24,21 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use self::ibv::{
+use crate::ibv::{
     AccessFlags, CompletionQueue, ConnectedQp, Context, Gid, MemoryRegion, ProtectionDomain,
     QpCaps, QpConfig, QpEndpoint,
 };
-use super::tcp::{Admitted, SideChannelListener, client_handshake, server_handshake};
-use super::{
-    Accepted, Completion, Connection, Connector, HeldBytes, Refusal, RefusalKind, Region,
+use rdmastream::error::{Error, Result, spawn};
+use rdmastream::proto::handshake::{DataPath, Hello, Key, QpInfo, Welcome};
+use rdmastream::proto::{RemoteLayout, status};
+use rdmastream::transport::tcp::{
+    Admitted, SideChannelListener, client_handshake, server_handshake,
+};
+use rdmastream::transport::{
+    Accepted, Completion, Connection, Connector, HeldBytes, Kind, Refusal, RefusalKind, Region,
     RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource,
     WriteWr,
 };
-use crate::error::{Error, Result, spawn};
-use crate::proto::handshake::{DataPath, Hello, Key, QpInfo, Welcome};
-use crate::proto::{RemoteLayout, status};
 
 /// Work requests this process posted (RDMA WRITEs and READs). A receiver reports it: it must
 /// stay 0 there.
@@ -60,7 +63,36 @@ pub struct VerbsSettings {
 fn rdma_err(op: impl Into<String>, cause: ibv::VerbsError) -> Error {
     Error::Rdma {
         op: op.into(),
-        cause,
+        source: Box::new(cause),
+    }
+}
+
+/// Resolves a `transport` setting (`auto`, `verbs`, `tcp`). `auto` uses verbs when the
+/// configured RDMA device is usable and otherwise says in one log line why it falls back to
+/// tcp; `verbs` without a usable device is an error naming what was looked for.
+pub fn choose(transport: &str, verbs: &VerbsSettings) -> Result<Kind> {
+    match transport {
+        "tcp" => Ok(Kind::Tcp),
+        "verbs" => probe(verbs).map(|what| {
+            tracing::info!("transport verbs: {what}");
+            Kind::Verbs
+        }),
+        "auto" => match probe(verbs) {
+            Ok(what) => {
+                tracing::info!("transport auto: using RDMA verbs on {what}");
+                Ok(Kind::Verbs)
+            }
+            Err(e) => {
+                tracing::info!(
+                    "transport auto: no usable RDMA device ({e}); using the tcp software transport"
+                );
+                Ok(Kind::Tcp)
+            }
+        },
+        other => Err(Error::Invalid {
+            key: "transport".into(),
+            reason: format!("{other:?} is not one of auto, verbs, tcp"),
+        }),
     }
 }
 
@@ -190,7 +222,7 @@ impl VerbsConnector {
             ctx,
             pd,
             max_outstanding: max_outstanding.max(1),
-            peer_timeout: super::DEFAULT_PEER_TIMEOUT,
+            peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
         })
     }
 
@@ -378,7 +410,8 @@ impl VerbsConnection {
                 self.side_heard.elapsed().as_secs_f64()
             )));
         }
-        if self.side_sent.elapsed() >= super::heartbeat_interval(self.peer_timeout) {
+        if self.side_sent.elapsed() >= rdmastream::transport::heartbeat_interval(self.peer_timeout)
+        {
             self.side_sent = Instant::now();
             match std::io::Write::write(&mut self.side, &[0]) {
                 Ok(_) => {}
@@ -500,7 +533,7 @@ pub struct VerbsRegion {
     /// The side channel, to end the connection on [`Region::disconnect`].
     side: Mutex<Option<TcpStream>>,
     /// This region's share of the receiver's memory budget.
-    _reservation: crate::proto::Reservation,
+    _reservation: rdmastream::proto::Reservation,
     _qp: ConnectedQp,
     _cq: CompletionQueue,
     _pd: ProtectionDomain,
@@ -657,7 +690,7 @@ fn handshake(
 /// Reads the sender's heartbeats on the side channel and sends the receiver's, until the channel
 /// closes, stays silent for `timeout`, or `closed` is set (the receiver is done).
 fn watch_side_channel(mut side: TcpStream, timeout: Duration, closed: &AtomicBool) {
-    let interval = super::heartbeat_interval(timeout);
+    let interval = rdmastream::transport::heartbeat_interval(timeout);
     if side.set_read_timeout(Some(interval)).is_err() {
         return;
     }
@@ -707,7 +740,7 @@ fn build_region(
     settings: &RegionSettings,
     verbs: &VerbsSettings,
     hello: &Hello,
-) -> Result<(Arc<VerbsRegion>, Welcome, Arc<crate::proto::Budget>)> {
+) -> Result<(Arc<VerbsRegion>, Welcome, Arc<rdmastream::proto::Budget>)> {
     let (n, b) = (settings.blocks, settings.block_size);
     let memory = settings
         .reserve_region()
@@ -787,7 +820,7 @@ fn build_region(
 #[cfg(test)]
 mod isolation_tests {
     use super::*;
-    use crate::transport::Listener;
+    use rdmastream::transport::Listener;
 
     /// A sender speaking the handshake itself, so the test can post what a hostile one would.
     struct RawSender {
@@ -816,7 +849,7 @@ mod isolation_tests {
         };
         let qp = pd.create_qp(&cq, &cq, &config).unwrap();
         let hello = Hello {
-            version: crate::proto::handshake::PROTOCOL_VERSION,
+            version: rdmastream::proto::handshake::PROTOCOL_VERSION,
             sender: name.into(),
             session: 1,
             data_path: DataPath::Verbs,
