@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use rdmastream::engine::SourceFrame;
 use rdmastream::engine::{
     DropPolicy, FrameSink, ReceiverHandle, ReceiverOptions, SenderHandle, SenderOptions, StreamKey,
     post_action,
@@ -30,7 +31,6 @@ use rdmastream::engine::{
 use rdmastream::proto::handshake::{DataPath, Hello, PROTOCOL_VERSION, QpInfo};
 use rdmastream::proto::{BlockScanner, SenderMachine, status};
 use rdmastream::proto::{StreamEvent, payload_capacity};
-use rdmastream::source::SourceFrame;
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{self, TcpConnector};

@@ -2,7 +2,7 @@
 //! file, never a panic.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use rdmastream::config::{ReceiverConfig, SenderConfig};
+use rdmastream_app::config::{ReceiverConfig, SenderConfig};
 use std::path::Path;
 
 fuzz_target!(|data: &[u8]| {

@@ -10,15 +10,11 @@
 //!   process bound to the same address share one listener; a router hands each element the
 //!   frames of its (sender, device). Caps travel with the stream, so no capsfilter is needed.
 //!
-//! The crate also holds what the `sender` and `receiver` binaries need to bring GStreamer
-//! pipelines in as sources and sinks ([`app`]).
-//!
 //! It deliberately does not implement a transport: the core's transports do that; this crate only
 //! maps the `transport` property onto them ([`transport`]).
 
 use gst::glib;
 
-pub mod app;
 mod link;
 mod logging;
 mod rdmasink;

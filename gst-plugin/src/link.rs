@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
+use rdmastream::engine::SourceFrame;
 use rdmastream::engine::{DeviceInput, SenderHandle, SenderOptions};
 use rdmastream::proto::RemoteLayout;
 use rdmastream::proto::handshake::{Hello, Key};
-use rdmastream::source::SourceFrame;
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::{Completion, Connection, Connector, RemoteAddr, SendBlocks, WriteWr};
 

@@ -140,7 +140,7 @@ pub fn element_key(
         (Some(k), None) => Key::new(k.trim().as_bytes().to_vec())
             .map(Some)
             .map_err(|e| format!("key: {e}")),
-        (None, Some(path)) => rdmastream::app::read_key_file(std::path::Path::new(path))
+        (None, Some(path)) => rdmastream_app::cli::read_key_file(std::path::Path::new(path))
             .map(Some)
             .map_err(|e| format!("key-file: {e}")),
         (None, None) => Ok(None),

@@ -352,7 +352,7 @@ fn a_sender_that_goes_away_is_an_error_without_wait_for_sender() {
     )
     .unwrap();
     let input = sender.add_device(6, DropPolicy::Block);
-    assert!(input.push(rdmastream::source::SourceFrame {
+    assert!(input.push(rdmastream::engine::SourceFrame {
         index: 0,
         timestamp_ns: 1,
         duration_ns: 0,

@@ -1,13 +1,14 @@
 //! rdmastream engine: the threads that drive the IO-free protocol core ([`proto`], re-exported
-//! from `rdmastream-proto`) over a transport ([`engine`], [`transport`]), and the sources and
-//! sinks of frames ([`source`], [`sink`]).
+//! from `rdmastream-proto`) over a transport: the filling and sending threads of a sender and
+//! the polling threads of a receiver ([`engine`]), the transport traits with the `mem` and `tcp`
+//! transports ([`transport`]), per-device counters ([`stats`]) and the deterministic simulator
+//! ([`sim`]).
 //!
-//! It deliberately does not define the config files or own a command line: the `sender` and
-//! `receiver` binaries do that and wire these pieces together ([`app`] holds the few helpers they
-//! share: TOML loading with file/key errors, logging, the status-line clock). The transports here
-//! are `mem` (in-process) and `tcp` (software emulation of the one-sided operations); real RDMA
-//! verbs are the `rdmastream-verbs` crate, which implements the same [`transport`] traits and
-//! holds all of the project's `unsafe` code (this crate forbids it).
+//! What it does not do: no config files, command lines, image files or output directories (the
+//! `rdmastream-app` crate: sources, sinks, config, GStreamer app sources and sinks), no RDMA
+//! verbs (the `rdmastream-verbs` crate implements the same [`transport`] traits and holds all of
+//! the project's `unsafe` code; this crate forbids it). Frames come in through
+//! [`engine::DeviceInput`] and go out through an [`engine::FrameSink`].
 #![forbid(unsafe_code)]
 
 pub mod error;
@@ -19,10 +20,6 @@ pub mod transport;
 /// Re-exported: frames are [`bytes::Bytes`].
 pub use bytes;
 pub use error::{Error, Result};
-pub mod app;
-pub mod config;
 pub mod engine;
 pub mod sim;
-pub mod sink;
-pub mod source;
 pub mod stats;

@@ -9,12 +9,12 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 
-use rdmastream::app::{ByteSize, ConfigError, every, init_logging, load_config};
-use rdmastream::config::{ReceiverConfig, ReceiverPlan};
 use rdmastream::engine::{ReceiverHandle, StreamKey};
-use rdmastream::sink::DirectorySink;
 use rdmastream::stats::{StatusLine, get};
 use rdmastream::transport::{Kind, Listener};
+use rdmastream_app::cli::{ByteSize, ConfigError, every, init_logging, load_config};
+use rdmastream_app::config::{ReceiverConfig, ReceiverPlan};
+use rdmastream_app::sink::DirectorySink;
 use rdmastream_verbs::{VerbsSettings, posted_work_requests};
 
 /// Receives frames from rdmastream senders into per-device directories.
@@ -52,7 +52,10 @@ fn main() {
             std::process::exit(2);
         }
         Err(e) => {
-            eprintln!("receiver: {}", rdmastream::app::describe_error(e.as_ref()));
+            eprintln!(
+                "receiver: {}",
+                rdmastream_app::cli::describe_error(e.as_ref())
+            );
             std::process::exit(1);
         }
     }
@@ -97,7 +100,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         sink
     } else {
         Arc::new(
-            gstrdma::app::LaunchSinks::new(pipelines, sink)
+            rdmastream_app::gst::LaunchSinks::new(pipelines, sink)
                 .map_err(|e| ConfigError::new(&file, "device.pipeline", e))?,
         )
     };

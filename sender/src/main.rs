@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 
-use rdmastream::app::{ConfigError, every, init_logging, load_config, load_key};
-use rdmastream::config::{SenderConfig, Source};
 use rdmastream::engine::{SenderHandle, SenderOptions};
-use rdmastream::source::Producer;
 use rdmastream::stats::StatusLine;
 use rdmastream::transport::tcp::TcpConnector;
 use rdmastream::transport::{Connector, Kind};
+use rdmastream_app::cli::{ConfigError, every, init_logging, load_config, load_key};
+use rdmastream_app::config::{SenderConfig, Source};
+use rdmastream_app::source::Producer;
 use rdmastream_verbs::{VerbsConnector, VerbsSettings};
 
 /// Streams synthetic cameras, radars or image files to an rdmastream receiver.
@@ -43,7 +43,7 @@ struct Cli {
 /// A device's source, ready to run on its thread.
 enum Runner {
     Builtin(Producer),
-    Gstreamer(gstrdma::app::LaunchSource),
+    Gstreamer(rdmastream_app::gst::LaunchSource),
 }
 
 fn main() {
@@ -56,7 +56,10 @@ fn main() {
             std::process::exit(2);
         }
         Err(e) => {
-            eprintln!("sender: {}", rdmastream::app::describe_error(e.as_ref()));
+            eprintln!(
+                "sender: {}",
+                rdmastream_app::cli::describe_error(e.as_ref())
+            );
             std::process::exit(1);
         }
     }
@@ -99,7 +102,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .with_context(|| format!("device {} in {}", d.id, file.display()))?,
             ),
             Source::Gstreamer(launch) => Runner::Gstreamer(
-                gstrdma::app::LaunchSource::new(d.id, launch)
+                rdmastream_app::gst::LaunchSource::new(d.id, launch)
                     .map_err(anyhow::Error::msg)
                     .with_context(|| format!("device {} in {}", d.id, file.display()))?,
             ),

@@ -10,7 +10,7 @@ use gst_base::subclass::prelude::*;
 
 use rdmastream::bytes::Bytes;
 use rdmastream::engine::SenderOptions;
-use rdmastream::source::SourceFrame;
+use rdmastream::engine::SourceFrame;
 use rdmastream::stats::unix_now_ns;
 
 use crate::link::{self, DeviceLease, LeaseRequest, QUEUE_DEPTH, SenderKey};

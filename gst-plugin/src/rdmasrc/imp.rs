@@ -644,7 +644,7 @@ impl BaseSrcImpl for RdmaSrc {
         let key =
             crate::transport::element_key(settings.key.as_deref(), settings.key_file.as_deref())
                 .map_err(|e| gst::error_msg!(gst::ResourceError::Settings, ("{e}")))?;
-        if key.is_none() && !settings.allow_anonymous && !rdmastream::app::is_loopback(&addr) {
+        if key.is_none() && !settings.allow_anonymous && !rdmastream_app::cli::is_loopback(&addr) {
             return Err(gst::error_msg!(
                 gst::ResourceError::Settings,
                 (

@@ -36,5 +36,5 @@ pub const TEST_KEY: &str = "test-key-0123456789abcdef";
 
 /// `Some(TEST_KEY)` when [`host`] is not loopback.
 pub fn key() -> Option<&'static str> {
-    (!rdmastream::app::is_loopback(&host())).then_some(TEST_KEY)
+    (!rdmastream_app::cli::is_loopback(&host())).then_some(TEST_KEY)
 }

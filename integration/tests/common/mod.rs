@@ -32,7 +32,7 @@ pub const TEST_KEY: &str = "test-key-0123456789abcdef";
 impl It {
     /// A `key = ...` line for a config file when the host is not loopback, else nothing.
     pub fn key_line(&self, already: &str) -> String {
-        if rdmastream::app::is_loopback(&self.host) || already.contains("key =") {
+        if rdmastream_app::cli::is_loopback(&self.host) || already.contains("key =") {
             String::new()
         } else {
             format!("key = \"{TEST_KEY}\"\n")
@@ -72,7 +72,7 @@ pub fn frame_files(dir: &Path) -> Vec<(u64, PathBuf)> {
 pub fn check_camera_file(path: &Path, device: u8, index: u64, w: usize, h: usize) {
     let data = std::fs::read(path).unwrap();
     let mut want = vec![0u8; w * h * 3];
-    rdmastream::source::camera_pattern(device, index, w, h, &mut want);
+    rdmastream_app::source::camera_pattern(device, index, w, h, &mut want);
     assert!(
         data == want,
         "{} is not frame {index} of camera {device}",
@@ -84,7 +84,7 @@ pub fn check_camera_file(path: &Path, device: u8, index: u64, w: usize, h: usize
 pub fn check_radar_file(path: &Path, device: u8, index: u64, size: usize) {
     let data = std::fs::read(path).unwrap();
     let mut want = vec![0u8; size];
-    rdmastream::source::radar_pattern(device, index, &mut want);
+    rdmastream_app::source::radar_pattern(device, index, &mut want);
     assert!(
         data == want,
         "{} is not frame {index} of radar {device}",

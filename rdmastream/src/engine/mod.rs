@@ -6,3 +6,20 @@ pub mod sender;
 
 pub use receiver::{FrameSink, ReceiverHandle, ReceiverOptions, StreamKey};
 pub use sender::{DeviceInput, DropPolicy, SenderHandle, SenderOptions, SenderReport, post_action};
+
+/// One frame from a source.
+#[derive(Debug, Clone)]
+pub struct SourceFrame {
+    /// Per-device frame index, from 0 (the reference patterns' `f`).
+    pub index: u64,
+    /// Capture time, ns since the UNIX epoch.
+    pub timestamp_ns: u64,
+    /// Frame duration in ns (0 when unknown).
+    pub duration_ns: u32,
+    /// Presentation timestamp in ns (e.g. a GStreamer PTS), carried to the receiver.
+    pub pts_ns: Option<u64>,
+    /// Format descriptor (caps string) of this frame.
+    pub format: std::sync::Arc<str>,
+    /// The frame's bytes (cheaply clonable: a source may hand out the same buffer again).
+    pub data: bytes::Bytes,
+}

@@ -11,13 +11,13 @@ use crossbeam_channel::{
     Receiver, RecvTimeoutError, Select, SendTimeoutError, Sender, TrySendError,
 };
 
+use super::SourceFrame;
 use crate::error::{Error, Result, spawn};
 use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
     Action, Delivery, DeviceNumbering, MessageKind, MessageTimes, NO_PTS, SenderMachine,
     SenderStats, fragment_range, status,
 };
-use crate::source::SourceFrame;
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
 use crate::transport::{
     Connection, Connector, RemoteAddr, SendBlocks, Target, WriteSource, WriteWr,

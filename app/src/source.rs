@@ -1,32 +1,17 @@
 //! Frame sources: synthetic cameras and radars with reference patterns anyone can check, and
 //! image files looped at a rate. Each source runs on its own thread, paced by the clock, and
-//! pushes into its device's input queue (see [`crate::engine::DeviceInput`]).
+//! pushes into its device's input queue (see [`rdmastream::engine::DeviceInput`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::error::{Error, Result};
-use crate::proto::Format;
-use crate::stats::unix_now_ns;
+use rdmastream::error::{Error, Result};
+use rdmastream::proto::Format;
+use rdmastream::stats::unix_now_ns;
 
-/// One frame from a source.
-#[derive(Debug, Clone)]
-pub struct SourceFrame {
-    /// Per-device frame index, from 0 (the reference patterns' `f`).
-    pub index: u64,
-    /// Capture time, ns since the UNIX epoch.
-    pub timestamp_ns: u64,
-    /// Frame duration in ns (0 when unknown).
-    pub duration_ns: u32,
-    /// Presentation timestamp in ns (e.g. a GStreamer PTS), carried to the receiver.
-    pub pts_ns: Option<u64>,
-    /// Format descriptor (caps string) of this frame.
-    pub format: Arc<str>,
-    /// The frame's bytes (cheaply clonable: a source may hand out the same buffer again).
-    pub data: bytes::Bytes,
-}
+pub use rdmastream::engine::SourceFrame;
 
 /// The synthetic camera reference: pixel (x, y) of frame `f` of device `d` is
 /// R = (x + 2f + 7d) mod 256, G = (y + 3f) mod 256, B = (x ^ y ^ f ^ d) mod 256.

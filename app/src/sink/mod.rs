@@ -16,11 +16,11 @@ use crossbeam_channel::{Receiver, Sender};
 use image::ImageEncoder;
 use parking_lot::Mutex;
 
-use crate::engine::{FrameSink, StreamKey};
-use crate::error::{Error, Result, spawn};
-use crate::proto::{Format, Frame, StreamEvent};
 use crate::source::verify_frame;
-use crate::stats::DeviceCounters;
+use rdmastream::engine::{FrameSink, StreamKey};
+use rdmastream::error::{Error, Result, spawn};
+use rdmastream::proto::{Format, Frame, StreamEvent};
+use rdmastream::stats::DeviceCounters;
 
 mod ledger;
 pub use ledger::Evictions;
@@ -263,7 +263,7 @@ fn writer_thread(
         if dev.session != Some(session)
             && let Err(e) = dev.enter_session(&dir, session, &ledger)
         {
-            crate::warn_limited!(
+            rdmastream::warn_limited!(
                 format!("session-{key}"),
                 "{key}: cannot prepare {}: {e}",
                 dir.display()
@@ -274,14 +274,14 @@ fn writer_thread(
                 descriptor, ack, ..
             } => {
                 dev.format = Format::parse(&descriptor);
-                if let Some(n) = crate::logsafe::limiter().allow(&format!("format-{key}")) {
-                    tracing::info!(stream = %key, "format: {}{}", crate::logsafe::clean_bytes(&descriptor, crate::logsafe::MAX_PEER_TEXT), crate::logsafe::suppressed(n));
+                if let Some(n) = rdmastream::logsafe::limiter().allow(&format!("format-{key}")) {
+                    tracing::info!(stream = %key, "format: {}{}", rdmastream::logsafe::clean_bytes(&descriptor, rdmastream::logsafe::MAX_PEER_TEXT), rdmastream::logsafe::suppressed(n));
                 }
-                crate::proto::ack::settle(&ack);
+                rdmastream::proto::ack::settle(&ack);
             }
             StreamEvent::EndOfStream { frame_index, ack } => {
                 tracing::info!(stream = %key, "end of stream after frame index {}", frame_index.saturating_sub(1));
-                crate::proto::ack::settle(&ack);
+                rdmastream::proto::ack::settle(&ack);
             }
             StreamEvent::Frame(frame) => {
                 if frame.reliable {
@@ -291,14 +291,14 @@ fn writer_thread(
                 // it is already durable, or queued before this one on this thread.
                 if dev.last.is_some_and(|last| frame.index <= last) {
                     counters.duplicates.fetch_add(1, Ordering::Relaxed);
-                    crate::proto::ack::settle(&frame.ack);
+                    rdmastream::proto::ack::settle(&frame.ack);
                     continue;
                 }
                 let expected = dev.last.map_or(0, |l| l + 1);
                 if frame.reliable && frame.index > expected {
                     let lost = frame.index - expected;
                     counters.missing.fetch_add(lost, Ordering::Relaxed);
-                    crate::warn_limited!(
+                    rdmastream::warn_limited!(
                         format!("missing-{key}"),
                         "{key}: lossless device is missing {lost} frames ({expected}..{})",
                         frame.index - 1
@@ -333,13 +333,13 @@ fn writer_thread(
                     match write_frame(&dir, &key, dev, out, &frame, &ledger) {
                         Ok(()) => {
                             counters.written.fetch_add(1, Ordering::Relaxed);
-                            crate::proto::ack::settle(&frame.ack);
+                            rdmastream::proto::ack::settle(&frame.ack);
                             break;
                         }
                         Err(e) => {
                             counters.write_errors.fetch_add(1, Ordering::Relaxed);
                             let giving_up = !frame.reliable || stopping.load(Ordering::Acquire);
-                            crate::warn_limited!(
+                            rdmastream::warn_limited!(
                                 format!("write-{key}"),
                                 "{key}: cannot write frame {}: {e}; {}",
                                 frame.index,
@@ -449,7 +449,7 @@ fn write_frame(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stats::DeviceCounters;
+    use rdmastream::stats::DeviceCounters;
 
     fn sink(out: &Path, format: FileFormat, keep: Option<usize>) -> DirectorySink {
         DirectorySink::new(DirectorySinkOptions {
@@ -563,7 +563,7 @@ mod tests {
         let mut want = vec![0; 8 * 4 * 3];
         crate::source::camera_pattern(4, 0, 8, 4, &mut want);
         assert_eq!(std::fs::read(dev.join("00000005.raw")).unwrap(), want);
-        assert_eq!(crate::stats::get(&c.mismatched), 0);
+        assert_eq!(rdmastream::stats::get(&c.mismatched), 0);
     }
 
     #[test]
@@ -631,8 +631,8 @@ mod tests {
             crate::source::camera_pattern(2, 9, 8, 4, &mut want);
             assert_eq!(img.into_raw(), want);
         }
-        assert_eq!(crate::stats::get(&counters.verified), 20);
-        assert_eq!(crate::stats::get(&counters.mismatched), 0);
+        assert_eq!(rdmastream::stats::get(&counters.verified), 20);
+        assert_eq!(rdmastream::stats::get(&counters.mismatched), 0);
     }
 
     #[test]

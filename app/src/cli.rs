@@ -251,8 +251,8 @@ pub fn load_key(
     what: &str,
     key: Option<&str>,
     key_file: Option<&Path>,
-) -> Result<Option<crate::proto::handshake::Key>, ConfigError> {
-    use crate::proto::handshake::Key;
+) -> Result<Option<rdmastream::proto::handshake::Key>, ConfigError> {
+    use rdmastream::proto::handshake::Key;
     match (key, key_file) {
         (Some(_), Some(_)) => Err(ConfigError::new(
             file,
@@ -279,8 +279,8 @@ pub fn load_key(
 /// Reads a key file: its content without surrounding whitespace. Reads at most a few KiB, so a
 /// key file pointing at a device or a huge file is an error, not an unbounded read; `Err` names
 /// the path and says why.
-pub fn read_key_file(path: &Path) -> Result<crate::proto::handshake::Key, String> {
-    use crate::proto::handshake::{Key, MAX_KEY_LEN};
+pub fn read_key_file(path: &Path) -> Result<rdmastream::proto::handshake::Key, String> {
+    use rdmastream::proto::handshake::{Key, MAX_KEY_LEN};
     use std::io::Read;
     // Room for the longest key as hex with whitespace around it.
     let limit = 2 * MAX_KEY_LEN + 1024;
@@ -331,7 +331,7 @@ mod tests {
         let good = dir.path().join("good.key");
         std::fs::write(&good, "  0123456789abcdef0123456789abcdef\n").unwrap();
         let key = read_key_file(&good).unwrap();
-        let want = crate::proto::handshake::Key::new(*b"0123456789abcdef0123456789abcdef");
+        let want = rdmastream::proto::handshake::Key::new(*b"0123456789abcdef0123456789abcdef");
         assert!(
             key == want.unwrap(),
             "whitespace around the key is not part of it"
@@ -376,7 +376,7 @@ pub fn describe_error(e: &(dyn std::error::Error + 'static)) -> String {
 mod describe_tests {
     #[test]
     fn a_source_already_in_the_message_is_not_repeated() {
-        let e = crate::Error::Listen {
+        let e = rdmastream::Error::Listen {
             addr: "127.0.0.1:1".into(),
             source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
         };

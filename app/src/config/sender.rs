@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::app::ConfigError;
-use crate::engine::DropPolicy;
+use crate::cli::ConfigError;
 use crate::source::SourceKind;
+use rdmastream::engine::DropPolicy;
 
 /// sender.toml; every key is documented in configs/sender.toml.
 #[derive(Deserialize, Debug, Clone)]
@@ -121,12 +121,12 @@ pub struct Device {
 impl SenderConfig {
     /// Parses sender.toml text (`file` names it in errors).
     pub fn parse(text: &str, file: &Path) -> Result<SenderConfig, ConfigError> {
-        crate::app::parse_toml(text, file)
+        crate::cli::parse_toml(text, file)
     }
 
     /// Reads and parses a sender.toml.
     pub fn load(file: &Path) -> Result<SenderConfig, ConfigError> {
-        crate::app::load_toml(file)
+        crate::cli::load_toml(file)
     }
 
     /// Checks every value and lists the devices to run; `file` names the config in errors.
@@ -137,7 +137,7 @@ impl SenderConfig {
 
 fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError> {
     let err = |key: &str, reason: String| ConfigError::new(file, key, reason);
-    if !crate::proto::handshake::valid_sender_name(&cfg.name) {
+    if !rdmastream::proto::handshake::valid_sender_name(&cfg.name) {
         return Err(err(
             "name",
             format!("{:?} is not 1-64 characters of A-Z a-z 0-9 . _ -", cfg.name),
@@ -149,13 +149,13 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
             format!("{} is not in 1..=4096", cfg.send_blocks),
         ));
     }
-    if cfg.block_size <= crate::proto::OVERHEAD || cfg.block_size > 1 << 30 {
+    if cfg.block_size <= rdmastream::proto::OVERHEAD || cfg.block_size > 1 << 30 {
         return Err(err(
             "block_size",
             format!(
                 "{} is not in {}..=1 GiB",
                 cfg.block_size,
-                crate::proto::OVERHEAD + 1
+                rdmastream::proto::OVERHEAD + 1
             ),
         ));
     }

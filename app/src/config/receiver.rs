@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::app::{ByteSize, ConfigError, is_loopback, load_key};
-use crate::engine::ReceiverOptions;
-use crate::proto::{Budget, Limits, ReorderConfig};
+use crate::cli::{ByteSize, ConfigError, is_loopback, load_key};
 use crate::sink::{DeviceOutput, DirectorySinkOptions, FileFormat};
-use crate::transport::{AccessControl, Keys, RegionSettings};
+use rdmastream::engine::ReceiverOptions;
+use rdmastream::proto::{Budget, Limits, ReorderConfig};
+use rdmastream::transport::{AccessControl, Keys, RegionSettings};
 
 /// receiver.toml; every key is documented in configs/receiver.toml.
 #[derive(Deserialize, Debug, Clone)]
@@ -173,12 +173,12 @@ fn file_format(file: &Path, key: &str, s: &str) -> Result<FileFormat, ConfigErro
 impl ReceiverConfig {
     /// Parses receiver.toml text (`file` names it in errors).
     pub fn parse(text: &str, file: &Path) -> Result<ReceiverConfig, ConfigError> {
-        crate::app::parse_toml(text, file)
+        crate::cli::parse_toml(text, file)
     }
 
     /// Reads and parses a receiver.toml.
     pub fn load(file: &Path) -> Result<ReceiverConfig, ConfigError> {
-        crate::app::load_toml(file)
+        crate::cli::load_toml(file)
     }
 
     /// Checks every value and builds what the receiver runs with; `file` names the config in
@@ -203,13 +203,13 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
     if cfg.blocks == 0 || cfg.blocks > 65536 {
         return Err(err("blocks", format!("{} is not in 1..=65536", cfg.blocks)));
     }
-    if cfg.block_size <= crate::proto::OVERHEAD || cfg.block_size > 1 << 30 {
+    if cfg.block_size <= rdmastream::proto::OVERHEAD || cfg.block_size > 1 << 30 {
         return Err(err(
             "block_size",
             format!(
                 "{} is not in {}..=1 GiB",
                 cfg.block_size,
-                crate::proto::OVERHEAD + 1
+                rdmastream::proto::OVERHEAD + 1
             ),
         ));
     }
@@ -387,7 +387,7 @@ fn receiver_keys(cfg: &ReceiverConfig, file: &Path) -> Result<Keys, ConfigError>
     let mut seen = std::collections::BTreeSet::new();
     for (n, s) in cfg.sender.iter().enumerate() {
         let what = format!("sender[{n}].");
-        if !crate::proto::handshake::valid_sender_name(&s.name) {
+        if !rdmastream::proto::handshake::valid_sender_name(&s.name) {
             return Err(ConfigError::new(
                 file,
                 format!("{what}name"),

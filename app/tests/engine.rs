@@ -11,12 +11,12 @@ use rdmastream::engine::{
 use rdmastream::proto::Budget;
 use rdmastream::proto::handshake::Key;
 use rdmastream::proto::status;
-use rdmastream::sink::{DirectorySink, DirectorySinkOptions};
-use rdmastream::source::{Producer, SourceKind};
 use rdmastream::stats::get;
 use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{self, TcpConnector};
 use rdmastream::transport::{AccessControl, Connector, Keys, Listener, RegionSettings};
+use rdmastream_app::sink::{DirectorySink, DirectorySinkOptions};
+use rdmastream_app::source::{Producer, SourceKind};
 
 /// The key every test sender proves it knows, and the receivers require.
 fn key() -> Key {
@@ -581,7 +581,7 @@ fn a_sink_holding_every_frame_does_not_starve_the_sender() {
     assert_eq!(held.len(), 50);
     for (f, data) in held.iter().enumerate() {
         let mut want = vec![0; 1000];
-        rdmastream::source::radar_pattern(0, f as u64, &mut want);
+        rdmastream_app::source::radar_pattern(0, f as u64, &mut want);
         assert_eq!(&data[..], &want[..], "frame {f}");
     }
     drop(held);
@@ -853,7 +853,7 @@ fn a_flood_of_idle_connections_is_bounded_and_does_not_lock_senders_out() {
     .unwrap();
     let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr)), 4).unwrap();
     let input = s.add_device(0, DropPolicy::Block);
-    assert!(input.push(rdmastream::source::SourceFrame {
+    assert!(input.push(rdmastream::engine::SourceFrame {
         index: 0,
         timestamp_ns: 1,
         duration_ns: 0,

@@ -18,9 +18,9 @@ use std::time::{Duration, Instant};
 use gst::prelude::*;
 
 use rdmastream::bytes::Bytes;
+use rdmastream::engine::SourceFrame;
 use rdmastream::engine::{FrameSink, StreamKey};
 use rdmastream::proto::StreamEvent;
-use rdmastream::source::SourceFrame;
 use rdmastream::stats::{DeviceCounters, unix_now_ns};
 
 /// How long a sink pipeline may take to finish (EOS through to its sink) before it is stopped.

@@ -1,0 +1,22 @@
+//! rdmastream's application layer: what turns the engine into the `sender` and `receiver`
+//! binaries and feeds the GStreamer elements.
+//!
+//! - [`source`]: frame sources (synthetic cameras and radars with checkable reference
+//!   patterns, image files looped at a rate), each on its own thread.
+//! - [`sink`]: the receiver's per-device output directories (atomic files, `keep`,
+//!   `disk_budget`, the durable-frame ledger of lossless devices).
+//! - [`config`]: sender.toml and receiver.toml as serde structs, their defaults and validation.
+//! - [`cli`]: what the binaries share: config loading with file/key errors, keys, logging, the
+//!   status-line clock, error lines.
+//! - [`gst`] (feature `gstreamer`): GStreamer pipelines as sources and sinks of the binaries.
+//!
+//! What it does not do: no protocol decisions (`rdmastream-proto`), no threads that move blocks
+//! (`rdmastream`), no RDMA (`rdmastream-verbs`), no GStreamer elements (`gst-plugin-rdma`).
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod config;
+#[cfg(feature = "gstreamer")]
+pub mod gst;
+pub mod sink;
+pub mod source;
