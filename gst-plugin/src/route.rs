@@ -16,7 +16,8 @@ use rdmastream::proto::{Budget, Frame, Limits, StreamEvent};
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::{Accepted, Listener, MAX_REFUSALS, Refusal, Region, RegionSettings};
 
-use crate::transport::{self, DropPolicy, Transport, VerbsSettings};
+use crate::transport::{self, Transport, VerbsSettings};
+use rdmastream::engine::DropPolicy;
 
 /// What an element receives, in order.
 #[derive(Debug)]

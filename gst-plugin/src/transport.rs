@@ -46,11 +46,12 @@ impl Transport {
     }
 }
 
-/// What happens when a queue is full.
+/// The `drop-policy` property: the GObject face of [`rdmastream::engine::DropPolicy`] (the one
+/// policy the engine and the elements' queues act on), converted with `From`.
 #[derive(Debug, Default, Eq, PartialEq, Hash, Clone, Copy, glib::Enum)]
 #[repr(u32)]
 #[enum_type(name = "GstRdmaDropPolicy")]
-pub enum DropPolicy {
+pub enum DropPolicyProperty {
     /// Lossless: wait for room (back-pressure).
     #[default]
     #[enum_value(
@@ -64,6 +65,15 @@ pub enum DropPolicy {
         nick = "drop-oldest"
     )]
     DropOldest = 1,
+}
+
+impl From<DropPolicyProperty> for rdmastream::engine::DropPolicy {
+    fn from(p: DropPolicyProperty) -> Self {
+        match p {
+            DropPolicyProperty::Block => rdmastream::engine::DropPolicy::Block,
+            DropPolicyProperty::DropOldest => rdmastream::engine::DropPolicy::DropOldest,
+        }
+    }
 }
 
 /// Resolves the property: `auto` probes for a usable RDMA device (and says in the log why it

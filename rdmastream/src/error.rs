@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 /// Everything that can fail in rdmastream.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// TCP connect to the receiver (side channel or software transport) failed.
     #[error("cannot connect to receiver {peer}: {source}")]
@@ -48,6 +49,9 @@ pub enum Error {
         /// What the verbs layer reported (`rdmastream_verbs::ibv::VerbsError`).
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A thread of the engine panicked (a bug); `message` is the panic's text when it had one.
+    #[error("the {thread} thread panicked: {message}")]
+    Panicked { thread: String, message: String },
     /// Spawning a thread failed.
     #[error("cannot start thread {name}: {source}")]
     Thread { name: String, source: io::Error },
@@ -68,12 +72,24 @@ impl Error {
         }
     }
 
-    /// True for errors after which a sender should reconnect rather than give up.
+    /// True for errors after which a sender should try to connect again (with backoff) rather
+    /// than give up: everything a connection attempt can fail with except a refusal and an
+    /// authentication failure, which retrying cannot change.
     pub fn is_transient(&self) -> bool {
-        matches!(
-            self,
-            Error::Connect { .. } | Error::Disconnected { .. } | Error::Handshake { .. }
-        )
+        !matches!(self, Error::Refused { .. } | Error::Auth { .. })
+    }
+
+    /// The error for a thread that panicked, from what `JoinHandle::join` returned.
+    pub fn panicked(thread: &str, payload: Box<dyn std::any::Any + Send>) -> Error {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(no message)".into());
+        Error::Panicked {
+            thread: thread.into(),
+            message,
+        }
     }
 }
 
@@ -90,4 +106,39 @@ pub fn spawn<T: Send + 'static>(
         .name(name.clone())
         .spawn(f)
         .map_err(|source| Error::Thread { name, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicked_thread_is_reported_as_a_panic_with_its_message() {
+        let payload = std::thread::spawn(|| panic!("block {} out of range", 7))
+            .join()
+            .unwrap_err();
+        let e = Error::panicked("sending", payload);
+        assert_eq!(
+            e.to_string(),
+            "the sending thread panicked: block 7 out of range"
+        );
+    }
+
+    #[test]
+    fn only_refusals_and_authentication_failures_end_the_retries() {
+        let refused = Error::Refused {
+            peer: "r".into(),
+            reason: "busy".into(),
+        };
+        let auth = Error::Auth {
+            peer: "r".into(),
+            reason: "wrong key".into(),
+        };
+        let lost = Error::Disconnected {
+            peer: "r".into(),
+            reason: "reset".into(),
+        };
+        assert!(!refused.is_transient() && !auth.is_transient());
+        assert!(lost.is_transient());
+    }
 }

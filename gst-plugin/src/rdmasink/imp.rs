@@ -14,7 +14,7 @@ use rdmastream::engine::SourceFrame;
 use rdmastream::stats::unix_now_ns;
 
 use crate::link::{self, DeviceLease, LeaseRequest, QUEUE_DEPTH, SenderKey};
-use crate::transport::{DropPolicy, Transport, VerbsSettings, join_host_port};
+use crate::transport::{DropPolicyProperty, Transport, VerbsSettings, join_host_port};
 
 static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     gst::DebugCategory::new(
@@ -32,7 +32,7 @@ const DEFAULT_BLOCKS: u32 = 8;
 const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
 const DEFAULT_IB_PORT: u32 = 1;
 const DEFAULT_GID_INDEX: i32 = -1;
-const DEFAULT_DROP_POLICY: DropPolicy = DropPolicy::Block;
+const DEFAULT_DROP_POLICY: DropPolicyProperty = DropPolicyProperty::Block;
 const DEFAULT_RECONNECT: bool = true;
 
 /// How long stopping after EOS waits for the last blocks (and end-of-stream) to be written.
@@ -57,7 +57,7 @@ struct Settings {
     key: Option<String>,
     key_file: Option<String>,
     sender_name: Option<String>,
-    drop_policy: DropPolicy,
+    drop_policy: DropPolicyProperty,
     reconnect: bool,
 }
 
@@ -84,7 +84,7 @@ impl Default for Settings {
 
 struct Started {
     lease: Arc<DeviceLease>,
-    drop_policy: DropPolicy,
+    drop_policy: DropPolicyProperty,
     reconnect: bool,
     /// Caps text of the current caps: it travels as the device's format (the core sends it
     /// when it changes and again after every reconnect).
@@ -588,7 +588,7 @@ impl BaseSinkImpl for RdmaSink {
             State::Started(s) => (s.lease.clone(), s.drop_policy),
             State::Stopped => return Err(gst::FlowError::Flushing),
         };
-        if policy == DropPolicy::Block {
+        if policy == DropPolicyProperty::Block {
             self.wait_in_flight(&lease, QUEUE_DEPTH as u64)?;
         }
         let (timestamp_ns, pts_ns) = self.times(buffer);

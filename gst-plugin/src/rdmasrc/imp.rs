@@ -15,7 +15,7 @@ use rdmastream::transport::{AccessControl, Keys, RegionSettings};
 
 use super::TimestampMode;
 use crate::route::{Item, ListenKey, Popped, Route, RouteLease, RouteRequest, SenderTable};
-use crate::transport::{DropPolicy, Transport, VerbsSettings, join_host_port};
+use crate::transport::{DropPolicyProperty, Transport, VerbsSettings, join_host_port};
 
 static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
     gst::DebugCategory::new(
@@ -36,7 +36,7 @@ const DEFAULT_GID_INDEX: i32 = -1;
 const DEFAULT_TIMESTAMP_MODE: TimestampMode = TimestampMode::Sender;
 const DEFAULT_LATENCY_MS: u32 = 0;
 const DEFAULT_MAX_BUFFERS: u32 = 8;
-const DEFAULT_DROP_POLICY: DropPolicy = DropPolicy::Block;
+const DEFAULT_DROP_POLICY: DropPolicyProperty = DropPolicyProperty::Block;
 const DEFAULT_WAIT_FOR_SENDER: bool = true;
 const DEFAULT_MAX_SENDERS: u32 = 16;
 const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
@@ -69,7 +69,7 @@ struct Settings {
     timestamp_mode: TimestampMode,
     latency_ms: u32,
     max_buffers: u32,
-    drop_policy: DropPolicy,
+    drop_policy: DropPolicyProperty,
     wait_for_sender: bool,
 }
 
@@ -688,7 +688,7 @@ impl BaseSrcImpl for RdmaSrc {
             device: settings.device_id as u8,
             sender: settings.sender_name.clone(),
             max_buffers: settings.max_buffers as usize,
-            policy: settings.drop_policy,
+            policy: settings.drop_policy.into(),
         })
         .map_err(|e| {
             gst::error_msg!(

@@ -349,12 +349,9 @@ impl SenderHandle {
             std::thread::sleep(Duration::from_millis(5));
         }
         self.abort.store(true, Ordering::Release);
-        let mut report = sending.join().unwrap_or_else(|_| {
-            Err(Error::Thread {
-                name: "sending".into(),
-                source: std::io::Error::other("the sending thread panicked"),
-            })
-        });
+        let mut report = sending
+            .join()
+            .unwrap_or_else(|p| Err(Error::panicked("sending", p)));
         if let Some(f) = self.filling.take() {
             let _ = f.join();
         }
@@ -751,7 +748,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                         last_error.clear();
                         conn = Some(c);
                     }
-                    Err(e @ (Error::Refused { .. } | Error::Auth { .. })) => return Err(e),
+                    Err(e) if !e.is_transient() => return Err(e),
                     Err(e) => {
                         let text = e.to_string();
                         if text != last_error {
