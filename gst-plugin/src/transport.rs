@@ -7,10 +7,9 @@ use std::time::{Duration, Instant};
 
 use gst::glib;
 
-use rdmastream::transport::tcp::{self, TcpConnector};
-use rdmastream::transport::{Connector, Kind, Listener, RegionSettings};
+use rdmastream::transport::{Connector, Listener, RegionSettings};
 pub use rdmastream_verbs::VerbsSettings;
-use rdmastream_verbs::{self as verbs, VerbsConnector};
+use rdmastream_verbs::{self as verbs};
 
 /// Which data path carries the blocks.
 #[derive(Debug, Default, Eq, PartialEq, Ord, PartialOrd, Hash, Clone, Copy, glib::Enum)]
@@ -76,28 +75,26 @@ impl From<DropPolicyProperty> for rdmastream::engine::DropPolicy {
     }
 }
 
-/// Resolves the property: `auto` probes for a usable RDMA device (and says in the log why it
-/// falls back to tcp), `verbs` without one is an error naming what was looked for.
-fn choose(transport: Transport, verbs: &VerbsSettings) -> Result<Kind, String> {
-    verbs::choose(transport.nick(), verbs).map_err(|e| e.to_string())
-}
-
-/// A connector to `peer` (`host:port`) over `transport`.
+/// A connector to `peer` (`host:port`) over `transport` (see [`rdmastream_verbs::connector`]).
 pub fn connector(
     transport: Transport,
     peer: &str,
     verbs: &VerbsSettings,
     max_outstanding: usize,
 ) -> Result<Box<dyn Connector>, String> {
-    Ok(match choose(transport, verbs)? {
-        Kind::Tcp => Box::new(TcpConnector::new(peer)),
-        Kind::Verbs => Box::new(
-            VerbsConnector::new(peer, verbs.clone(), max_outstanding).map_err(|e| e.to_string())?,
-        ),
-    })
+    verbs::connector(
+        transport.nick(),
+        peer,
+        verbs,
+        max_outstanding,
+        rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+    )
+    .map(|(_, c)| c)
+    .map_err(|e| e.to_string())
 }
 
-/// A listener on `addr` (`address:port`) over `transport`, offering `settings` to each sender.
+/// A listener on `addr` (`address:port`) over `transport`, offering `settings` to each sender
+/// (see [`rdmastream_verbs::listener`]).
 ///
 /// A listener frees its address when it is dropped, but the last `rdmasrc` of a shared listener
 /// may be releasing it on another streaming thread at this moment; an address in use is retried
@@ -108,18 +105,10 @@ pub fn listener(
     settings: RegionSettings,
     verbs: &VerbsSettings,
 ) -> Result<Box<dyn Listener>, String> {
-    let kind = choose(transport, verbs)?;
     let deadline = Instant::now() + Duration::from_secs(1);
     loop {
-        let bound: rdmastream::Result<Box<dyn Listener>> = match kind {
-            Kind::Tcp => {
-                tcp::listen(addr, settings.clone()).map(|l| Box::new(l) as Box<dyn Listener>)
-            }
-            Kind::Verbs => verbs::listen(addr, settings.clone(), verbs.clone())
-                .map(|l| Box::new(l) as Box<dyn Listener>),
-        };
-        match bound {
-            Ok(l) => return Ok(l),
+        match verbs::listener(transport.nick(), addr, settings.clone(), verbs) {
+            Ok((_, l)) => return Ok(Box::new(l)),
             Err(rdmastream::Error::Listen { source, .. })
                 if source.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline =>
             {

@@ -11,7 +11,6 @@ use clap::Parser;
 
 use rdmastream::engine::{ReceiverHandle, StreamKey};
 use rdmastream::stats::{StatusLine, get};
-use rdmastream::transport::{Kind, Listener};
 use rdmastream_app::cli::{ByteSize, ConfigError, every, init_logging, load_config};
 use rdmastream_app::config::{ReceiverConfig, ReceiverPlan};
 use rdmastream_app::sink::DirectorySink;
@@ -85,11 +84,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         port: cfg.ib_port,
         gid_index: cfg.gid_index,
     };
-    let kind = rdmastream_verbs::choose(&cfg.transport, &verbs)?;
-    let listener: Box<dyn Listener> = match kind {
-        Kind::Tcp => Box::new(rdmastream::transport::tcp::listen(&cfg.listen, region)?),
-        Kind::Verbs => Box::new(rdmastream_verbs::listen(&cfg.listen, region, verbs)?),
-    };
+    let (kind, listener) = rdmastream_verbs::listener(&cfg.transport, &cfg.listen, region, &verbs)?;
     let files = Arc::new(
         DirectorySink::new(sink_opts)
             .with_context(|| format!("output directory {}", cfg.out.display()))?,
@@ -104,7 +99,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 .map_err(|e| ConfigError::new(&file, "device.pipeline", e))?,
         )
     };
-    let receiver = ReceiverHandle::start(opts, listener, sink)?;
+    let receiver = ReceiverHandle::start(opts, Box::new(listener), sink)?;
     tracing::info!(
         "receiver listening on {} (transport {kind}), {} blocks of {} bytes per sender, writing to {}",
         receiver.local_addr(),

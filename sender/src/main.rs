@@ -11,12 +11,10 @@ use clap::Parser;
 
 use rdmastream::engine::{SenderHandle, SenderOptions};
 use rdmastream::stats::StatusLine;
-use rdmastream::transport::tcp::TcpConnector;
-use rdmastream::transport::{Connector, Kind};
 use rdmastream_app::cli::{ConfigError, every, init_logging, load_config, load_key};
 use rdmastream_app::config::{SenderConfig, Source};
 use rdmastream_app::source::Producer;
-use rdmastream_verbs::{VerbsConnector, VerbsSettings};
+use rdmastream_verbs::VerbsSettings;
 
 /// Streams synthetic cameras, radars or image files to an rdmastream receiver.
 #[derive(Parser, Debug)]
@@ -83,16 +81,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         port: cfg.ib_port,
         gid_index: cfg.gid_index,
     };
-    let peer_timeout = Duration::from_secs_f64(cfg.peer_timeout);
-    let connector: Box<dyn Connector> = match rdmastream_verbs::choose(&cfg.transport, &verbs)? {
-        Kind::Tcp => {
-            Box::new(TcpConnector::new(cfg.receiver.clone()).with_peer_timeout(peer_timeout))
-        }
-        Kind::Verbs => Box::new(
-            VerbsConnector::new(cfg.receiver.clone(), verbs, cfg.max_outstanding)?
-                .with_peer_timeout(peer_timeout),
-        ),
-    };
+    let (_, connector) = rdmastream_verbs::connector(
+        &cfg.transport,
+        &cfg.receiver,
+        &verbs,
+        cfg.max_outstanding,
+        Duration::from_secs_f64(cfg.peer_timeout),
+    )?;
     // Build every producer first so a bad image directory fails before anything streams.
     let mut producers = Vec::new();
     for d in &devices {

@@ -96,6 +96,46 @@ pub fn choose(transport: &str, verbs: &VerbsSettings) -> Result<Kind> {
     }
 }
 
+/// A connector to the receiver `peer` (`host:port`) over the transport the `transport` setting
+/// (`auto`, `verbs`, `tcp`) resolves to ([`choose`]); `peer_timeout` is how long a silent
+/// receiver is given. The one place where the setting becomes a transport, for the `sender`
+/// binary and `rdmasink` alike.
+pub fn connector(
+    transport: &str,
+    peer: &str,
+    verbs: &VerbsSettings,
+    max_outstanding: usize,
+    peer_timeout: Duration,
+) -> Result<(Kind, Box<dyn Connector>)> {
+    let kind = choose(transport, verbs)?;
+    let c: Box<dyn Connector> = match kind {
+        Kind::Tcp => Box::new(
+            rdmastream::transport::tcp::TcpConnector::new(peer).with_peer_timeout(peer_timeout),
+        ),
+        Kind::Verbs => Box::new(
+            VerbsConnector::new(peer, verbs.clone(), max_outstanding)?
+                .with_peer_timeout(peer_timeout),
+        ),
+    };
+    Ok((kind, c))
+}
+
+/// A listener on `addr` (`address:port`) over the transport the `transport` setting resolves
+/// to ([`choose`]), offering `region` to each sender: the `receiver` binary's and `rdmasrc`'s.
+pub fn listener(
+    transport: &str,
+    addr: &str,
+    region: RegionSettings,
+    verbs: &VerbsSettings,
+) -> Result<(Kind, SideChannelListener)> {
+    let kind = choose(transport, verbs)?;
+    let l = match kind {
+        Kind::Tcp => rdmastream::transport::tcp::listen(addr, region)?,
+        Kind::Verbs => listen(addr, region, verbs.clone())?,
+    };
+    Ok((kind, l))
+}
+
 /// Opens the configured device and checks its port is active. `Ok` names what will be used;
 /// `Err` says what was looked for and why it cannot be used.
 pub fn probe(settings: &VerbsSettings) -> Result<String> {
