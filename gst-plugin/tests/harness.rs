@@ -395,6 +395,34 @@ fn held_buffers_beyond_half_the_region_are_copied_and_nothing_stalls() {
     assert_eq!(bytes(&rx.pull().unwrap()), vec![99; 8]);
 }
 
+/// A backlog (the sink ran ahead of the source: 4 s of frames arrive at once) keeps the sender's
+/// spacing in `timestamp-mode=sender`, and no PTS goes back. (The mapping used to be redone
+/// whenever a frame was more than 1 s ahead of its arrival: every 26 frames the PTS jumped back
+/// about a second and muxers dropped frames.)
+#[test]
+fn a_backlog_keeps_the_senders_spacing_and_timestamps_only_go_forward() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 8, &[("blocks", 128u32.to_value())]);
+    let mut tx = sink(port, 8, GRAY, &[]);
+    for i in 0..100u64 {
+        tx.push(buffer(vec![i as u8; 8], 40 * i, 40)).unwrap();
+    }
+    let pts: Vec<u64> = (0..100)
+        .map(|_| rx.pull().unwrap().pts().expect("a PTS").nseconds())
+        .collect();
+    for (i, w) in pts.windows(2).enumerate() {
+        assert!(w[1] > w[0], "PTS went back at buffer {}: {pts:?}", i + 1);
+    }
+    for (i, p) in pts.iter().enumerate() {
+        assert_eq!(
+            p - pts[0],
+            40_000_000 * i as u64,
+            "buffer {i}: the sender's 40 ms spacing is not kept"
+        );
+    }
+}
+
 /// Runs `f` on a thread and waits for it, so that a hang fails the test.
 fn within_deadline(what: &str, f: impl FnOnce() + Send + 'static) {
     let (done_tx, done_rx) = mpsc::channel();

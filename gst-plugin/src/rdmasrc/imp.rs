@@ -44,8 +44,9 @@ const DEFAULT_MAX_FRAME_BYTES: u64 = 16 << 20;
 
 /// How often a waiting `create` looks at whether its sender is still connected.
 const IDLE_CHECK: Duration = Duration::from_millis(50);
-/// In `sender` mode, a buffer whose shifted PTS is further than this from its arrival starts a
-/// new mapping (a new sender, or one that was away): marked DISCONT.
+/// In `sender` mode, a buffer whose shifted PTS is behind its arrival by more than this starts a
+/// new mapping, forward (the sender was away or stalled): marked DISCONT. A buffer ahead of its
+/// arrival (a backlog) keeps the mapping.
 const RESYNC_THRESHOLD: gst::ClockTime = gst::ClockTime::from_seconds(1);
 
 #[derive(Debug, Clone)]
@@ -112,6 +113,8 @@ struct Started {
     frame_duration: Option<gst::ClockTime>,
     /// `sender` mode: added to the sender's timestamp (ns, signed).
     offset: Option<i128>,
+    /// The last PTS pushed (ns): timestamps never go back.
+    last_pts: Option<u64>,
     next_index: Option<u64>,
     frames: u64,
     bytes: u64,
@@ -235,22 +238,34 @@ impl RdmaSrc {
             TimestampMode::Arrival => arrival,
             TimestampMode::Sender => {
                 // The sender's PTS as its running time; frames of senders without one are
-                // spaced by their capture times.
+                // spaced by their capture times. Mapped once (the first frame lands at its
+                // arrival) and kept, so a backlog keeps its spacing (its frames are ahead of
+                // the running time, as they were at the sender); re-mapped only forward: when
+                // frames fall behind the running time by more than the threshold (a stall), or
+                // when the sender's times go back (a restarted sender).
                 let sender_ns = frame.pts_ns.unwrap_or(frame.timestamp_ns) as i128;
                 match arrival {
                     Some(arrival) => {
                         let arrival_ns = arrival.nseconds() as i128;
                         let threshold = RESYNC_THRESHOLD.nseconds() as i128;
+                        let last = s.last_pts.map(|l| l as i128);
                         let mapped = s.offset.map(|o| sender_ns + o);
-                        if mapped.is_none_or(|m| (m - arrival_ns).abs() > threshold || m < 0) {
+                        let remap = match mapped {
+                            None => true,
+                            Some(m) => arrival_ns - m > threshold || last.is_some_and(|l| m < l),
+                        };
+                        if remap {
                             if s.offset.is_some() {
                                 gst::debug!(CAT, imp = self, "re-mapping sender timestamps");
                             }
-                            s.offset = Some(arrival_ns - sender_ns);
+                            let start = arrival_ns.max(last.map_or(0, |l| l + 1));
+                            s.offset = Some(start - sender_ns);
                             discont = true;
                         }
                         let o = s.offset.expect("set above");
-                        Some(gst::ClockTime::from_nseconds((sender_ns + o).max(0) as u64))
+                        let pts = (sender_ns + o).max(0) as u64;
+                        s.last_pts = Some(pts);
+                        Some(gst::ClockTime::from_nseconds(pts))
                     }
                     None => None,
                 }
@@ -717,6 +732,7 @@ impl BaseSrcImpl for RdmaSrc {
             caps: None,
             frame_duration: None,
             offset: None,
+            last_pts: None,
             next_index: None,
             frames: 0,
             bytes: 0,
