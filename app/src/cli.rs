@@ -40,6 +40,19 @@ impl ConfigError {
             reason: reason.into(),
         }
     }
+
+    /// Names the command-line flag instead of the file when the problem is with a key a flag
+    /// overrode: `overridden` pairs config keys with the flags given (`("listen", "--listen")`).
+    pub fn blame(self, overridden: &[(&str, &str)]) -> ConfigError {
+        match overridden.iter().find(|(key, _)| *key == self.key) {
+            Some((_, flag)) => ConfigError {
+                file: PathBuf::from(*flag),
+                key: String::new(),
+                reason: self.reason,
+            },
+            None => self,
+        }
+    }
 }
 
 /// Reads and deserializes a TOML file. Unknown keys are errors (the config structs deny them).

@@ -478,6 +478,31 @@ fn bad_config_names_file_key_and_reason() {
             "{binary}: message {err:?} should name the file and {key}"
         );
     }
+    // A bad value given on the command line is blamed on the flag, not on the config file,
+    // and exits 2 like any bad input.
+    let good = write(
+        tmp.path(),
+        "good.toml",
+        "keep = 0
+",
+    );
+    for (flags, flag) in [
+        (&["--listen", "nonsense"][..], "--listen"),
+        (&["--listen", "127.0.0.1:99999"][..], "--listen"),
+        (&["--transport", "carrier-pigeon"][..], "--transport"),
+    ] {
+        let out = std::process::Command::new(bin("receiver"))
+            .args(["--config", good.to_str().unwrap()])
+            .args(flags)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(
+            err.contains(&format!("{flag}: ")) && !err.contains("good.toml"),
+            "{flags:?}: {err:?} should blame {flag}, not the file"
+        );
+    }
 }
 
 /// With no receiver, a sender asked to stop still stops (bounded flush) and says why it failed,

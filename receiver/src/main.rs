@@ -63,6 +63,14 @@ fn main() {
 fn run(cli: Cli) -> anyhow::Result<i32> {
     let (file, mut cfg): (_, ReceiverConfig) =
         load_config(cli.config.clone(), "receiver.toml", true)?;
+    let overridden: Vec<(&str, &str)> = [
+        ("out", "--out", cli.out.is_some()),
+        ("listen", "--listen", cli.listen.is_some()),
+        ("transport", "--transport", cli.transport.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(key, flag, given)| given.then_some((key, flag)))
+    .collect();
     if let Some(o) = cli.out {
         cfg.out = o;
     }
@@ -77,7 +85,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         options: opts,
         sink: mut sink_opts,
         pipelines,
-    } = cfg.validate(&file)?;
+    } = cfg.validate(&file).map_err(|e| e.blame(&overridden))?;
     sink_opts.verify = cli.verify;
     let verbs = VerbsSettings {
         device: cfg.rdma_device.clone(),

@@ -65,6 +65,14 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let (file, mut cfg): (_, SenderConfig) = load_config(cli.config.clone(), "sender.toml", false)?;
+    let overridden: Vec<(&str, &str)> = [
+        ("receiver", "--receiver", cli.receiver.is_some()),
+        ("name", "--name", cli.name.is_some()),
+        ("transport", "--transport", cli.transport.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(key, flag, given)| given.then_some((key, flag)))
+    .collect();
     if let Some(r) = cli.receiver {
         cfg.receiver = r;
     }
@@ -74,7 +82,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(t) = cli.transport {
         cfg.transport = t;
     }
-    let devices = cfg.validate(&file)?;
+    let devices = cfg.validate(&file).map_err(|e| e.blame(&overridden))?;
     let key = load_key(&file, "", cfg.key.as_deref(), cfg.key_file.as_deref())?;
     let verbs = VerbsSettings {
         device: cfg.rdma_device.clone(),

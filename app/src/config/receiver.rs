@@ -287,6 +287,12 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
             ),
         ));
     }
+    if let Err(e) = std::net::ToSocketAddrs::to_socket_addrs(cfg.listen.as_str()) {
+        return Err(err(
+            "listen",
+            format!("{:?} is not an address:port to listen on ({e})", cfg.listen),
+        ));
+    }
     let keys = receiver_keys(cfg, file)?;
     if keys.is_anonymous() && !cfg.allow_anonymous && !is_loopback(&cfg.listen) {
         return Err(err(
