@@ -106,35 +106,26 @@ pub fn default_config(name: &str) -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.is_file())
 }
 
-/// Loads the config file `given` (from `--config`), else [`default_config`]`(name)`, else, when
-/// `builtin` is true, the built-in defaults (an empty file, with a notice), or an error saying to
-/// pass `--config`; returns the file that errors should name.
+/// Loads the config file `given` (from `--config`), else [`default_config`]`(name)`, else the
+/// built-in defaults `builtin` (TOML text; the binary's documented example), with a notice;
+/// returns the file that errors should name.
 pub fn load_config<T: serde::de::DeserializeOwned>(
     given: Option<PathBuf>,
     name: &str,
-    builtin: bool,
+    builtin: &str,
 ) -> Result<(PathBuf, T), ConfigError> {
     match given.or_else(|| default_config(name)) {
         Some(file) => {
             let cfg = load_toml(&file)?;
             Ok((file, cfg))
         }
-        None if !builtin => Err(ConfigError::new(
-            Path::new(name),
-            "",
-            format!(
-                "no --config given, and no configs/{name} in the current directory or next to \
-                 the executable: pass --config FILE (the source tree's configs/{name} is an \
-                 example)"
-            ),
-        )),
         None => {
             tracing::info!(
                 "no --config and no configs/{name} here or next to the executable: \
-                 built-in defaults"
+                 built-in defaults (those of the shipped configs/{name})"
             );
             let file = PathBuf::from(format!("(built-in defaults for {name})"));
-            let cfg = parse_toml("", &file)?;
+            let cfg = parse_toml(builtin, &file)?;
             Ok((file, cfg))
         }
     }

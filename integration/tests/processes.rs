@@ -540,3 +540,56 @@ fn sender_without_receiver_stops_and_names_the_peer() {
         tail(&log)
     );
 }
+
+/// Copied binaries, run from an empty directory without any config file, stream with their
+/// built-in defaults (those of the shipped configs): nothing depends on the source tree.
+#[test]
+fn copied_binaries_stream_with_built_in_defaults_from_an_empty_directory() {
+    if it().transport != "tcp" {
+        // The defaults' 12 full-size cameras are too much for the VM's emulated CPU; what is
+        // tested here does not depend on the transport.
+        eprintln!("skipped over {}: runs on the host", it().transport);
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for name in ["sender", "receiver"] {
+        std::fs::copy(bin(name), dir.join(name)).unwrap();
+    }
+    let listen = format!("127.0.0.1:{}", free_port());
+    let run = |name: &str, args: &[&str]| {
+        let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+        std::process::Command::new(dir.join(name))
+            .args(args)
+            .current_dir(dir)
+            .env("RUST_LOG", "info")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    };
+    let mut rx = run("receiver", &["--listen", &listen, "--exit-after-eos"]);
+    let mut tx = run("sender", &["--receiver", &listen, "--duration", "2"]);
+    exits_ok(
+        &mut tx,
+        Duration::from_secs(60),
+        "sender",
+        &dir.join("sender.log"),
+    );
+    exits_ok(
+        &mut rx,
+        Duration::from_secs(60),
+        "receiver",
+        &dir.join("receiver.log"),
+    );
+    for name in ["sender", "receiver"] {
+        let log = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap();
+        assert!(log.contains("built-in defaults"), "{name}:\n{log}");
+    }
+    // The shipped sender.toml: 12 cameras (devices 0-11) and 2 radars (100, 101), as `edge-1`,
+    // into ./out.
+    for device in (0..12).chain([100, 101]) {
+        let files = frame_files(&dir.join(format!("out/edge-1/device-{device:03}")));
+        assert!(!files.is_empty(), "device {device}: no frames");
+    }
+}

@@ -16,11 +16,16 @@ use rdmastream_app::config::{ReceiverConfig, ReceiverPlan};
 use rdmastream_app::sink::DirectorySink;
 use rdmastream_verbs::{VerbsSettings, posted_work_requests};
 
+/// The built-in defaults, used when there is no config file: the shipped example (listen on
+/// 127.0.0.1:7471, write to ./out), compiled in so a copied binary has them.
+const DEFAULTS: &str = include_str!("../../configs/receiver.toml");
+
 /// Receives frames from rdmastream senders into per-device directories.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Cli {
-    /// Config file (default: the shipped configs/receiver.toml).
+    /// Config file (default: configs/receiver.toml here or next to the executable, else the
+    /// built-in defaults, which are the shipped configs/receiver.toml).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Output directory (overrides `out`).
@@ -62,7 +67,7 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<i32> {
     let (file, mut cfg): (_, ReceiverConfig) =
-        load_config(cli.config.clone(), "receiver.toml", true)?;
+        load_config(cli.config.clone(), "receiver.toml", DEFAULTS)?;
     let overridden: Vec<(&str, &str)> = [
         ("out", "--out", cli.out.is_some()),
         ("listen", "--listen", cli.listen.is_some()),

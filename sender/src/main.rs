@@ -16,11 +16,16 @@ use rdmastream_app::config::{SenderConfig, Source};
 use rdmastream_app::source::Producer;
 use rdmastream_verbs::VerbsSettings;
 
+/// The built-in defaults, used when there is no config file: the shipped example (the demo's
+/// 12 cameras and 2 radars into 127.0.0.1:7471), compiled in so a copied binary has them.
+const DEFAULTS: &str = include_str!("../../configs/sender.toml");
+
 /// Streams synthetic cameras, radars or image files to an rdmastream receiver.
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Cli {
-    /// Config file (default: the shipped configs/sender.toml).
+    /// Config file (default: configs/sender.toml here or next to the executable, else the
+    /// built-in defaults, which are the shipped configs/sender.toml).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Stop cleanly after this many seconds (sources end, queued frames are flushed, every
@@ -64,7 +69,8 @@ fn main() {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let (file, mut cfg): (_, SenderConfig) = load_config(cli.config.clone(), "sender.toml", false)?;
+    let (file, mut cfg): (_, SenderConfig) =
+        load_config(cli.config.clone(), "sender.toml", DEFAULTS)?;
     let overridden: Vec<(&str, &str)> = [
         ("receiver", "--receiver", cli.receiver.is_some()),
         ("name", "--name", cli.name.is_some()),
