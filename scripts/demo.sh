@@ -10,10 +10,12 @@ DURATION="${DURATION:-20}"
 OUT="${OUT:-out}"
 
 scripts/setup.sh
-cargo build --release --quiet -p rdmastream-sender -p rdmastream-receiver
+echo "== building the sender and the receiver (the first build takes a few minutes)"
+cargo build --release -p rdmastream-sender -p rdmastream-receiver
 
 rm -rf "$OUT"
-echo "== receiver: listening on 127.0.0.1:7471, writing to $OUT/"
+listen="$(sed -n 's/^listen = "\(.*\)"/\1/p' configs/receiver.toml)"
+echo "== receiver: listening on $listen (configs/receiver.toml), writing to $OUT/"
 ./target/release/receiver --out "$OUT" --verify --exit-after-eos &
 receiver=$!
 trap 'kill $receiver 2>/dev/null || true' EXIT
