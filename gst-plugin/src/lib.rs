@@ -21,6 +21,7 @@ mod rdmasink;
 mod rdmasrc;
 mod route;
 pub mod transport;
+pub mod uri;
 
 fn plugin_init(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {
     logging::init();

@@ -423,6 +423,43 @@ fn a_backlog_keeps_the_senders_spacing_and_timestamps_only_go_forward() {
     }
 }
 
+/// Both elements are URI handlers for `rdma://`: made from a URI they carry its address, port
+/// and query properties, give the URI back, and a bad one is refused naming what is wrong.
+#[test]
+fn elements_are_made_from_rdma_uris() {
+    init();
+    let sink = gst::Element::make_from_uri(
+        gst::URIType::Sink,
+        "rdma://10.0.0.2:7500?device-id=9&transport=tcp&drop-policy=drop-oldest",
+        None,
+    )
+    .expect("an rdmasink for an rdma:// URI");
+    assert_eq!(sink.factory().unwrap().name(), "rdmasink");
+    assert_eq!(sink.property::<String>("host"), "10.0.0.2");
+    assert_eq!(sink.property::<u32>("port"), 7500);
+    assert_eq!(sink.property::<u32>("device-id"), 9);
+    let uri = sink
+        .dynamic_cast_ref::<gst::URIHandler>()
+        .unwrap()
+        .uri()
+        .unwrap();
+    assert_eq!(uri, "rdma://10.0.0.2:7500?device-id=9&transport=tcp");
+    let src = gst::Element::make_from_uri(gst::URIType::Src, "rdma://[::1]:7501?device-id=3", None)
+        .expect("an rdmasrc for an rdma:// URI");
+    assert_eq!(src.factory().unwrap().name(), "rdmasrc");
+    assert_eq!(src.property::<String>("address"), "::1");
+    assert_eq!(src.property::<u32>("device-id"), 3);
+    let handler = src.dynamic_cast_ref::<gst::URIHandler>().unwrap();
+    for (bad, why) in [
+        ("rdma://h:1?colour=blue", "colour"),
+        ("rdma://h:1?device-id=many", "device-id"),
+        ("rdma://h", "PORT"),
+    ] {
+        let e = handler.set_uri(bad).unwrap_err().to_string();
+        assert!(e.contains(why), "{bad}: {e}");
+    }
+}
+
 /// Runs `f` on a thread and waits for it, so that a hang fails the test.
 fn within_deadline(what: &str, f: impl FnOnce() + Send + 'static) {
     let (done_tx, done_rx) = mpsc::channel();

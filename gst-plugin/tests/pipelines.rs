@@ -361,3 +361,46 @@ fn a_receiver_restarted_mid_stream_gets_the_rest_of_the_stream() {
         next += pos + 1;
     }
 }
+
+/// `rdma://` URIs: `playbin` (through uridecodebin) finds `rdmasrc` for
+/// `rdma://HOST:PORT?device-id=N&...`, plays the stream to its end and exits.
+#[test]
+fn playbin_plays_an_rdma_uri_to_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    let mut query = format!("device-id=4&transport={}", common::transport());
+    if let Some(k) = common::key() {
+        query.push_str(&format!("&key={k}"));
+    }
+    let host = common::host();
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host
+    };
+    let uri = format!("rdma://{host}:{port}?{query}");
+    let rx = Launch::start(
+        d,
+        "playbin",
+        &format!("playbin uri=\"{uri}\" video-sink=fakesink audio-sink=fakesink"),
+    );
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!(
+            "videotestsrc num-buffers=30 ! video/x-raw,format=GRAY8,width=64,height=48 ! \
+             rdmasink port={port} device-id=4"
+        ),
+    );
+    tx.success();
+    let log = rx.success();
+    assert!(
+        log.contains("Got EOS"),
+        "playbin did not end on EOS:\n{log}"
+    );
+    assert!(
+        log.contains("rdmasrc"),
+        "playbin did not use rdmasrc:\n{log}"
+    );
+}

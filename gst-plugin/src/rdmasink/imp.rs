@@ -119,6 +119,31 @@ impl ObjectSubclass for RdmaSink {
     const NAME: &'static str = "GstRdmaSink";
     type Type = super::RdmaSink;
     type ParentType = gst_base::BaseSink;
+    type Interfaces = (gst::URIHandler,);
+}
+
+impl URIHandlerImpl for RdmaSink {
+    const URI_TYPE: gst::URIType = gst::URIType::Sink;
+
+    fn protocols() -> &'static [&'static str] {
+        &[crate::uri::SCHEME]
+    }
+
+    fn uri(&self) -> Option<String> {
+        let s = self.settings.lock().unwrap();
+        Some(crate::uri::format(
+            &s.host,
+            s.port,
+            &[
+                ("device-id", s.device_id.to_string()),
+                ("transport", s.transport.nick().to_string()),
+            ],
+        ))
+    }
+
+    fn set_uri(&self, uri: &str) -> Result<(), glib::Error> {
+        crate::uri::apply(self.obj().upcast_ref(), "host", uri)
+    }
 }
 
 /// Why the element cannot go on.

@@ -41,7 +41,8 @@ use gst::prelude::*;
 mod imp;
 
 glib::wrapper! {
-    pub struct RdmaSink(ObjectSubclass<imp::RdmaSink>) @extends gst_base::BaseSink, gst::Element, gst::Object;
+    pub struct RdmaSink(ObjectSubclass<imp::RdmaSink>) @extends gst_base::BaseSink, gst::Element, gst::Object,
+        @implements gst::URIHandler;
 }
 
 pub fn register(plugin: &gst::Plugin) -> Result<(), glib::BoolError> {

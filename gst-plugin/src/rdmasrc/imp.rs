@@ -144,6 +144,31 @@ impl ObjectSubclass for RdmaSrc {
     const NAME: &'static str = "GstRdmaSrc";
     type Type = super::RdmaSrc;
     type ParentType = gst_base::PushSrc;
+    type Interfaces = (gst::URIHandler,);
+}
+
+impl URIHandlerImpl for RdmaSrc {
+    const URI_TYPE: gst::URIType = gst::URIType::Src;
+
+    fn protocols() -> &'static [&'static str] {
+        &[crate::uri::SCHEME]
+    }
+
+    fn uri(&self) -> Option<String> {
+        let s = self.settings.lock().unwrap();
+        Some(crate::uri::format(
+            &s.address,
+            s.port,
+            &[
+                ("device-id", s.device_id.to_string()),
+                ("transport", s.transport.nick().to_string()),
+            ],
+        ))
+    }
+
+    fn set_uri(&self, uri: &str) -> Result<(), glib::Error> {
+        crate::uri::apply(self.obj().upcast_ref(), "address", uri)
+    }
 }
 
 impl RdmaSrc {

@@ -43,7 +43,8 @@ use gst::prelude::*;
 mod imp;
 
 glib::wrapper! {
-    pub struct RdmaSrc(ObjectSubclass<imp::RdmaSrc>) @extends gst_base::PushSrc, gst_base::BaseSrc, gst::Element, gst::Object;
+    pub struct RdmaSrc(ObjectSubclass<imp::RdmaSrc>) @extends gst_base::PushSrc, gst_base::BaseSrc, gst::Element, gst::Object,
+        @implements gst::URIHandler;
 }
 
 /// How buffers are timestamped.

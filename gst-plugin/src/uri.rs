@@ -1,0 +1,149 @@
+//! `rdma://` URIs for both elements (the `GstURIHandler` interface), so `playbin`,
+//! `uridecodebin`, `urisourcebin` and `gst_element_make_from_uri` find them:
+//!
+//! ```text
+//! rdma://HOST:PORT?device-id=N&transport=tcp&...
+//! ```
+//!
+//! `HOST:PORT` is the receiver's address for `rdmasink` (`host`, `port`) and the address to listen
+//! on for `rdmasrc` (`address`, `port`); IPv6 literals are bracketed. Every query parameter is a
+//! property of the element, set from its string form as `gst-launch-1.0` would; an unknown one
+//! is an error naming it.
+
+use gst::glib;
+use gst::prelude::*;
+
+/// The scheme both elements handle.
+pub const SCHEME: &str = "rdma";
+
+/// A parsed `rdma://` URI.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RdmaUri {
+    pub host: String,
+    pub port: u16,
+    /// Query parameters in order: property name, value.
+    pub props: Vec<(String, String)>,
+}
+
+fn bad(uri: &str, why: impl std::fmt::Display) -> glib::Error {
+    glib::Error::new(gst::URIError::BadUri, &format!("{uri}: {why}"))
+}
+
+/// Parses `rdma://HOST:PORT[?key=value&...]`.
+pub fn parse(uri: &str) -> Result<RdmaUri, glib::Error> {
+    let rest = uri
+        .strip_prefix("rdma://")
+        .ok_or_else(|| bad(uri, "not an rdma:// URI"))?;
+    let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let authority = authority.trim_end_matches('/');
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (host, after) = v6
+            .split_once(']')
+            .ok_or_else(|| bad(uri, "an IPv6 address needs its closing ]"))?;
+        let port = after
+            .strip_prefix(':')
+            .ok_or_else(|| bad(uri, "no :PORT after the address"))?;
+        (host, port)
+    } else {
+        authority
+            .rsplit_once(':')
+            .ok_or_else(|| bad(uri, "no :PORT after the host"))?
+    };
+    if host.is_empty() {
+        return Err(bad(uri, "no host"));
+    }
+    let port: u16 = port
+        .parse()
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| bad(uri, format!("port {port:?} is not in 1..=65535")))?;
+    let mut props = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair
+            .split_once('=')
+            .ok_or_else(|| bad(uri, format!("{pair:?} is not key=value")))?;
+        props.push((key.to_string(), value.to_string()));
+    }
+    Ok(RdmaUri {
+        host: host.to_string(),
+        port,
+        props,
+    })
+}
+
+/// The URI of an element aimed at (or listening on) `host:port` with the given properties.
+pub fn format(host: &str, port: u32, props: &[(&str, String)]) -> String {
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
+    };
+    let query: Vec<String> = props.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!("rdma://{host}:{port}?{}", query.join("&"))
+}
+
+/// Sets `element`'s properties from `uri`: `host_property` (`host` or `address`), `port`, and
+/// each query parameter. Fails, naming the parameter, for an unknown or unparsable one, and
+/// once the element is past READY (as other URI handlers do).
+pub fn apply(element: &gst::Element, host_property: &str, uri: &str) -> Result<(), glib::Error> {
+    if element.current_state() > gst::State::Ready {
+        return Err(glib::Error::new(
+            gst::URIError::BadState,
+            "the URI can only be changed in the NULL or READY state",
+        ));
+    }
+    let parsed = parse(uri)?;
+    for (key, _) in &parsed.props {
+        if element.find_property(key).is_none() || key == host_property || key == "port" {
+            return Err(bad(
+                uri,
+                format!("{key:?} is not a property that can be set in the query"),
+            ));
+        }
+    }
+    element.set_property(host_property, &parsed.host);
+    element.set_property("port", parsed.port as u32);
+    for (key, value) in &parsed.props {
+        let pspec = element.find_property(key).expect("checked above");
+        let value = glib::Value::deserialize(value, pspec.value_type())
+            .map_err(|_| bad(uri, format!("{key}={value:?} is not a valid value")))?;
+        element.set_property_from_value(key, &value);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_parse_with_ipv6_and_queries_and_fail_naming_the_problem() {
+        let u = parse("rdma://10.0.0.2:7471?device-id=3&transport=tcp").unwrap();
+        assert_eq!(u.host, "10.0.0.2");
+        assert_eq!(u.port, 7471);
+        assert_eq!(
+            u.props,
+            vec![
+                ("device-id".to_string(), "3".to_string()),
+                ("transport".to_string(), "tcp".to_string())
+            ]
+        );
+        let v6 = parse("rdma://[::1]:9/").unwrap();
+        assert_eq!((v6.host.as_str(), v6.port), ("::1", 9));
+        assert_eq!(
+            format("::1", 9, &[("device-id", "2".into())]),
+            "rdma://[::1]:9?device-id=2"
+        );
+        for (bad, why) in [
+            ("http://x:1", "not an rdma"),
+            ("rdma://x", "no :PORT"),
+            ("rdma://x:0", "not in 1..=65535"),
+            ("rdma://x:70000", "not in 1..=65535"),
+            ("rdma://:5", "no host"),
+            ("rdma://x:5?device-id", "not key=value"),
+        ] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains(bad), "{bad}: {e}");
+        }
+    }
+}
