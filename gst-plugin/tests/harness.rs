@@ -460,6 +460,62 @@ fn elements_are_made_from_rdma_uris() {
     }
 }
 
+/// `timeout` (as udpsrc's): a source that hears nothing (a sender aimed at the wrong port, say)
+/// says so on the bus instead of staying silent forever.
+#[test]
+fn a_source_that_hears_nothing_posts_timeout_messages() {
+    init();
+    let port = free_port();
+    let e = src_element(port, 2, &[("timeout", 200_000_000u64.to_value())]);
+    let bus = bus_of(&e);
+    let _rx = src_harness(&e);
+    let started = std::time::Instant::now();
+    let msg = bus
+        .timed_pop_filtered(
+            gst::ClockTime::from_seconds(DEADLINE.as_secs()),
+            &[gst::MessageType::Element],
+        )
+        .expect("a timeout message");
+    let s = msg.structure().unwrap();
+    assert_eq!(s.name(), "GstRdmaSrcTimeout");
+    assert_eq!(s.get::<u64>("timeout").unwrap(), 200_000_000);
+    assert!(
+        started.elapsed() >= std::time::Duration::from_millis(150),
+        "posted too early"
+    );
+}
+
+/// `reconnect-timeout`: a sink aimed at a receiver that is not there (a wrong port) gives up
+/// with an error naming it, instead of retrying for ever.
+#[test]
+fn a_sink_gives_up_after_its_reconnect_timeout() {
+    init();
+    let port = free_port(); // nothing listens here
+    let e = sink_element(port, 3, &[("reconnect-timeout", 500u32.to_value())]);
+    let bus = bus_of(&e);
+    let mut tx = sink_harness(&e, GRAY);
+    let started = std::time::Instant::now();
+    within_deadline("a sink pushing to an absent receiver", move || {
+        let mut i = 0;
+        while tx.push(buffer(vec![1; 8], i * 100, 100)).is_ok() {
+            i += 1;
+        }
+    });
+    let msg = bus
+        .iter()
+        .find(|m| m.type_() == gst::MessageType::Error)
+        .expect("an error message");
+    let text = error_text(&msg);
+    assert!(
+        text.contains(&format!(":{port}")) && text.contains("reconnect-timeout=500"),
+        "{text}"
+    );
+    assert!(
+        started.elapsed() >= std::time::Duration::from_millis(400),
+        "gave up too early"
+    );
+}
+
 /// Runs `f` on a thread and waits for it, so that a hang fails the test.
 fn within_deadline(what: &str, f: impl FnOnce() + Send + 'static) {
     let (done_tx, done_rx) = mpsc::channel();

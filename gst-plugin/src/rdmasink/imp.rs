@@ -34,6 +34,8 @@ const DEFAULT_IB_PORT: u32 = 1;
 const DEFAULT_GID_INDEX: i32 = -1;
 const DEFAULT_DROP_POLICY: DropPolicyProperty = DropPolicyProperty::Block;
 const DEFAULT_RECONNECT: bool = true;
+/// `reconnect-timeout`: 0 (retry for ever).
+const DEFAULT_RECONNECT_TIMEOUT_MS: u32 = 0;
 
 /// How long stopping after EOS waits for the last blocks (and end-of-stream) to be written.
 const LINGER_AFTER_EOS: Duration = Duration::from_secs(5);
@@ -59,6 +61,7 @@ struct Settings {
     sender_name: Option<String>,
     drop_policy: DropPolicyProperty,
     reconnect: bool,
+    reconnect_timeout_ms: u32,
 }
 
 impl Default for Settings {
@@ -78,6 +81,7 @@ impl Default for Settings {
             sender_name: None,
             drop_policy: DEFAULT_DROP_POLICY,
             reconnect: DEFAULT_RECONNECT,
+            reconnect_timeout_ms: DEFAULT_RECONNECT_TIMEOUT_MS,
         }
     }
 }
@@ -86,6 +90,9 @@ struct Started {
     lease: Arc<DeviceLease>,
     drop_policy: DropPolicyProperty,
     reconnect: bool,
+    /// `reconnect-timeout` (zero: for ever), and since when the receiver has been unreachable.
+    reconnect_timeout: Duration,
+    down_since: Option<Instant>,
     /// Caps text of the current caps: it travels as the device's format (the core sends it
     /// when it changes and again after every reconnect).
     caps: Option<Arc<str>>,
@@ -182,6 +189,29 @@ impl RdmaSink {
                 gst::ResourceError::OpenWrite,
                 ("Cannot stream to receiver {peer}"),
                 ["{fatal}"]
+            );
+            return Err(Stop::Error);
+        }
+        if link.connected {
+            s.down_since = None;
+        } else if link.errors > s.errors_seen {
+            s.down_since.get_or_insert_with(Instant::now);
+        }
+        if let Some(since) = s.down_since
+            && !s.reconnect_timeout.is_zero()
+            && since.elapsed() >= s.reconnect_timeout
+        {
+            s.failed = true;
+            let (limit, error) = (s.reconnect_timeout, link.error.clone().unwrap_or_default());
+            drop(state);
+            gst::element_imp_error!(
+                self,
+                gst::ResourceError::OpenWrite,
+                (
+                    "Receiver {peer} unreachable for {:.1} s; giving up",
+                    limit.as_secs_f64()
+                ),
+                ["{error} (reconnect-timeout={} ms)", limit.as_millis()]
             );
             return Err(Stop::Error);
         }
@@ -378,6 +408,12 @@ impl ObjectImpl for RdmaSink {
                     .default_value(DEFAULT_RECONNECT)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecUInt::builder("reconnect-timeout")
+                    .nick("Reconnect timeout")
+                    .blurb("With reconnect=true: post an error after the receiver has been unreachable for this many ms (0 = retry for ever)")
+                    .default_value(DEFAULT_RECONNECT_TIMEOUT_MS)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
                     .nick("Statistics")
                     .blurb("frames-written, bytes-written, frames-dropped, in-flight, connected, connections, sender-name")
@@ -410,6 +446,9 @@ impl ObjectImpl for RdmaSink {
             "sender-name" => s.sender_name = value.get().expect("type checked upstream"),
             "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
             "reconnect" => s.reconnect = value.get().expect("type checked upstream"),
+            "reconnect-timeout" => {
+                s.reconnect_timeout_ms = value.get().expect("type checked upstream")
+            }
             other => unimplemented!("property {other}"),
         }
     }
@@ -432,6 +471,7 @@ impl ObjectImpl for RdmaSink {
             "sender-name" => s.sender_name.to_value(),
             "drop-policy" => s.drop_policy.to_value(),
             "reconnect" => s.reconnect.to_value(),
+            "reconnect-timeout" => s.reconnect_timeout_ms.to_value(),
             "stats" => {
                 drop(s);
                 let state = self.state.lock().unwrap();
@@ -576,6 +616,8 @@ impl BaseSinkImpl for RdmaSink {
             lease,
             drop_policy: settings.drop_policy,
             reconnect: settings.reconnect,
+            reconnect_timeout: Duration::from_millis(settings.reconnect_timeout_ms as u64),
+            down_since: None,
             caps: None,
             next_index: 0,
             errors_seen: link.errors,

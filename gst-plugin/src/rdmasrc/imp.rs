@@ -38,6 +38,8 @@ const DEFAULT_LATENCY_MS: u32 = 0;
 const DEFAULT_MAX_BUFFERS: u32 = 8;
 const DEFAULT_DROP_POLICY: DropPolicyProperty = DropPolicyProperty::Block;
 const DEFAULT_WAIT_FOR_SENDER: bool = true;
+/// `timeout`: 0 (never), as udpsrc.
+const DEFAULT_TIMEOUT_NS: u64 = 0;
 const DEFAULT_MAX_SENDERS: u32 = 16;
 const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
 const DEFAULT_MAX_FRAME_BYTES: u64 = 16 << 20;
@@ -72,6 +74,7 @@ struct Settings {
     max_buffers: u32,
     drop_policy: DropPolicyProperty,
     wait_for_sender: bool,
+    timeout_ns: u64,
 }
 
 impl Default for Settings {
@@ -98,6 +101,7 @@ impl Default for Settings {
             max_buffers: DEFAULT_MAX_BUFFERS,
             drop_policy: DEFAULT_DROP_POLICY,
             wait_for_sender: DEFAULT_WAIT_FOR_SENDER,
+            timeout_ns: DEFAULT_TIMEOUT_NS,
         }
     }
 }
@@ -124,6 +128,9 @@ struct Started {
     gone_reported: bool,
     /// The newest refusal of the listener this element already warned about.
     refusals_seen: u64,
+    /// `timeout` (0: off), and when the last item (frame, caps, end) or timeout message was.
+    timeout: Duration,
+    last_activity: std::time::Instant,
 }
 
 #[derive(Default)]
@@ -341,6 +348,35 @@ impl RdmaSrc {
         }
     }
 
+    /// Keeps the time of the last item; when nothing arrived for `timeout`, posts the
+    /// `GstRdmaSrcTimeout` element message (again after each further `timeout`).
+    fn note_activity(&self, arrived: bool) {
+        let mut state = self.state.lock().unwrap();
+        let State::Started(s) = &mut *state else {
+            return;
+        };
+        let now = std::time::Instant::now();
+        if arrived {
+            s.last_activity = now;
+            return;
+        }
+        if s.timeout.is_zero() || now.duration_since(s.last_activity) < s.timeout {
+            return;
+        }
+        s.last_activity = now;
+        let timeout = s.timeout.as_nanos() as u64;
+        drop(state);
+        gst::debug!(CAT, imp = self, "nothing arrived for {timeout} ns");
+        let msg = gst::message::Element::builder(
+            gst::Structure::builder("GstRdmaSrcTimeout")
+                .field("timeout", timeout)
+                .build(),
+        )
+        .src(&*self.obj())
+        .build();
+        let _ = self.obj().post_message(msg);
+    }
+
     /// Called when nothing arrived for a while: is the sender still there?
     fn check_sender(&self) -> Result<(), gst::FlowError> {
         let mut state = self.state.lock().unwrap();
@@ -538,6 +574,12 @@ impl ObjectImpl for RdmaSrc {
                     .default_value(DEFAULT_WAIT_FOR_SENDER)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecUInt64::builder("timeout")
+                    .nick("Timeout")
+                    .blurb("Post a GstRdmaSrcTimeout element message (field `timeout`, ns) each time nothing arrived for this many ns (0 = never), like udpsrc")
+                    .default_value(DEFAULT_TIMEOUT_NS)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
                     .nick("Statistics")
                     .blurb("frames, bytes, frames-dropped, frames-before-caps, queued, sender, peer, connections, local-address")
@@ -577,6 +619,7 @@ impl ObjectImpl for RdmaSrc {
             "max-buffers" => s.max_buffers = value.get().expect("type checked upstream"),
             "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
             "wait-for-sender" => s.wait_for_sender = value.get().expect("type checked upstream"),
+            "timeout" => s.timeout_ns = value.get().expect("type checked upstream"),
             other => unimplemented!("property {other}"),
         }
     }
@@ -605,6 +648,7 @@ impl ObjectImpl for RdmaSrc {
             "max-buffers" => s.max_buffers.to_value(),
             "drop-policy" => s.drop_policy.to_value(),
             "wait-for-sender" => s.wait_for_sender.to_value(),
+            "timeout" => s.timeout_ns.to_value(),
             "stats" => {
                 drop(s);
                 let state = self.state.lock().unwrap();
@@ -765,6 +809,8 @@ impl BaseSrcImpl for RdmaSrc {
             gone_checks: 0,
             gone_reported: false,
             refusals_seen,
+            timeout: Duration::from_nanos(settings.timeout_ns),
+            last_activity: std::time::Instant::now(),
         }));
         Ok(())
     }
@@ -818,7 +864,9 @@ impl PushSrcImpl for RdmaSrc {
         };
         loop {
             self.report_refusals();
-            match route.queue.pop(IDLE_CHECK) {
+            let popped = route.queue.pop(IDLE_CHECK);
+            self.note_activity(matches!(popped, Popped::Item(_)));
+            match popped {
                 Popped::Flushing => return Err(gst::FlowError::Flushing),
                 Popped::Timeout => self.check_sender()?,
                 Popped::Item(Item::Format(descriptor)) => self.handle_format(&descriptor)?,
