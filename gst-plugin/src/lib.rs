@@ -19,6 +19,7 @@ mod link;
 mod logging;
 mod rdmasink;
 mod rdmasrc;
+mod report;
 mod route;
 pub mod transport;
 pub mod uri;

@@ -516,6 +516,45 @@ fn a_sink_gives_up_after_its_reconnect_timeout() {
     );
 }
 
+/// Drops are visible: under `drop-policy=drop-oldest` the element posts QoS messages with the
+/// processed and dropped counts, and its `stats` arrive as element messages every
+/// `stats-interval` ms (what `gst-launch-1.0 -m` prints).
+#[test]
+fn drops_post_qos_messages_and_stats_arrive_as_element_messages() {
+    init();
+    let port = free_port(); // no receiver: the sink's queue overflows
+    let e = sink_element(port, 4, &[("stats-interval", 100u32.to_value())]);
+    e.set_property_from_str("drop-policy", "drop-oldest");
+    let bus = bus_of(&e);
+    let mut tx = sink_harness(&e, GRAY);
+    let (mut qos, mut stats) = (None, None);
+    let end = std::time::Instant::now() + DEADLINE;
+    let mut i = 0;
+    while (qos.is_none() || stats.is_none()) && std::time::Instant::now() < end {
+        tx.push(buffer(vec![1; 8], i * 100, 100)).unwrap();
+        i += 1;
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        for m in bus.iter() {
+            match m.view() {
+                gst::MessageView::Qos(q) => qos = Some(q.stats()),
+                gst::MessageView::Element(el)
+                    if el.structure().unwrap().name() == "application/x-rdmasink-stats" =>
+                {
+                    stats = Some(el.structure().unwrap().to_owned())
+                }
+                _ => {}
+            }
+        }
+    }
+    let (_, dropped) = qos.expect("a QoS message for the dropped frames");
+    assert!(
+        matches!(dropped, gst::GenericFormattedValue::Buffers(Some(n)) if *n > 0),
+        "{dropped:?}"
+    );
+    let stats = stats.expect("a stats element message");
+    assert!(stats.get::<u64>("frames-dropped").unwrap() > 0, "{stats}");
+}
+
 /// Runs `f` on a thread and waits for it, so that a hang fails the test.
 fn within_deadline(what: &str, f: impl FnOnce() + Send + 'static) {
     let (done_tx, done_rx) = mpsc::channel();

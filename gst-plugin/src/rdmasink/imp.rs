@@ -62,6 +62,7 @@ struct Settings {
     drop_policy: DropPolicyProperty,
     reconnect: bool,
     reconnect_timeout_ms: u32,
+    stats_interval_ms: u32,
 }
 
 impl Default for Settings {
@@ -82,6 +83,7 @@ impl Default for Settings {
             drop_policy: DEFAULT_DROP_POLICY,
             reconnect: DEFAULT_RECONNECT,
             reconnect_timeout_ms: DEFAULT_RECONNECT_TIMEOUT_MS,
+            stats_interval_ms: crate::report::DEFAULT_STATS_INTERVAL_MS,
         }
     }
 }
@@ -93,6 +95,7 @@ struct Started {
     /// `reconnect-timeout` (zero: for ever), and since when the receiver has been unreachable.
     reconnect_timeout: Duration,
     down_since: Option<Instant>,
+    reporter: crate::report::Reporter,
     /// Caps text of the current caps: it travels as the device's format (the core sends it
     /// when it changes and again after every reconnect).
     caps: Option<Arc<str>>,
@@ -408,6 +411,12 @@ impl ObjectImpl for RdmaSink {
                     .default_value(DEFAULT_RECONNECT)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecUInt::builder("stats-interval")
+                    .nick("Stats interval")
+                    .blurb("Post the stats structure as an element message every this many ms (0 = never); drops also post QoS messages")
+                    .default_value(crate::report::DEFAULT_STATS_INTERVAL_MS)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecUInt::builder("reconnect-timeout")
                     .nick("Reconnect timeout")
                     .blurb("With reconnect=true: post an error after the receiver has been unreachable for this many ms (0 = retry for ever)")
@@ -446,6 +455,7 @@ impl ObjectImpl for RdmaSink {
             "sender-name" => s.sender_name = value.get().expect("type checked upstream"),
             "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
             "reconnect" => s.reconnect = value.get().expect("type checked upstream"),
+            "stats-interval" => s.stats_interval_ms = value.get().expect("type checked upstream"),
             "reconnect-timeout" => {
                 s.reconnect_timeout_ms = value.get().expect("type checked upstream")
             }
@@ -472,6 +482,7 @@ impl ObjectImpl for RdmaSink {
             "drop-policy" => s.drop_policy.to_value(),
             "reconnect" => s.reconnect.to_value(),
             "reconnect-timeout" => s.reconnect_timeout_ms.to_value(),
+            "stats-interval" => s.stats_interval_ms.to_value(),
             "stats" => {
                 drop(s);
                 let state = self.state.lock().unwrap();
@@ -618,6 +629,7 @@ impl BaseSinkImpl for RdmaSink {
             reconnect: settings.reconnect,
             reconnect_timeout: Duration::from_millis(settings.reconnect_timeout_ms as u64),
             down_since: None,
+            reporter: crate::report::Reporter::new(settings.stats_interval_ms),
             caps: None,
             next_index: 0,
             errors_seen: link.errors,
@@ -702,6 +714,21 @@ impl BaseSinkImpl for RdmaSink {
         if !lease.push(frame) {
             return Err(gst::FlowError::Flushing);
         }
+        let due = match &mut *self.state.lock().unwrap() {
+            State::Started(s) => {
+                let (frames, _, dropped) = lease.counts();
+                s.reporter.check(frames, dropped)
+            }
+            State::Stopped => Default::default(),
+        };
+        if due.qos.is_some() {
+            gst::debug!(
+                CAT,
+                imp = self,
+                "frames dropped (drop-policy=drop-oldest): {due:?}"
+            );
+        }
+        crate::report::post(self.obj().upcast_ref(), due, buffer.pts());
         Ok(gst::FlowSuccess::Ok)
     }
 

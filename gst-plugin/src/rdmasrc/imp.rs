@@ -75,6 +75,7 @@ struct Settings {
     drop_policy: DropPolicyProperty,
     wait_for_sender: bool,
     timeout_ns: u64,
+    stats_interval_ms: u32,
 }
 
 impl Default for Settings {
@@ -102,6 +103,7 @@ impl Default for Settings {
             drop_policy: DEFAULT_DROP_POLICY,
             wait_for_sender: DEFAULT_WAIT_FOR_SENDER,
             timeout_ns: DEFAULT_TIMEOUT_NS,
+            stats_interval_ms: crate::report::DEFAULT_STATS_INTERVAL_MS,
         }
     }
 }
@@ -131,6 +133,7 @@ struct Started {
     /// `timeout` (0: off), and when the last item (frame, caps, end) or timeout message was.
     timeout: Duration,
     last_activity: std::time::Instant,
+    reporter: crate::report::Reporter,
 }
 
 #[derive(Default)]
@@ -574,6 +577,12 @@ impl ObjectImpl for RdmaSrc {
                     .default_value(DEFAULT_WAIT_FOR_SENDER)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecUInt::builder("stats-interval")
+                    .nick("Stats interval")
+                    .blurb("Post the stats structure as an element message every this many ms (0 = never); drops also post QoS messages")
+                    .default_value(crate::report::DEFAULT_STATS_INTERVAL_MS)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecUInt64::builder("timeout")
                     .nick("Timeout")
                     .blurb("Post a GstRdmaSrcTimeout element message (field `timeout`, ns) each time nothing arrived for this many ns (0 = never), like udpsrc")
@@ -620,6 +629,7 @@ impl ObjectImpl for RdmaSrc {
             "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
             "wait-for-sender" => s.wait_for_sender = value.get().expect("type checked upstream"),
             "timeout" => s.timeout_ns = value.get().expect("type checked upstream"),
+            "stats-interval" => s.stats_interval_ms = value.get().expect("type checked upstream"),
             other => unimplemented!("property {other}"),
         }
     }
@@ -649,6 +659,7 @@ impl ObjectImpl for RdmaSrc {
             "drop-policy" => s.drop_policy.to_value(),
             "wait-for-sender" => s.wait_for_sender.to_value(),
             "timeout" => s.timeout_ns.to_value(),
+            "stats-interval" => s.stats_interval_ms.to_value(),
             "stats" => {
                 drop(s);
                 let state = self.state.lock().unwrap();
@@ -811,6 +822,7 @@ impl BaseSrcImpl for RdmaSrc {
             refusals_seen,
             timeout: Duration::from_nanos(settings.timeout_ns),
             last_activity: std::time::Instant::now(),
+            reporter: crate::report::Reporter::new(settings.stats_interval_ms),
         }));
         Ok(())
     }
@@ -866,6 +878,11 @@ impl PushSrcImpl for RdmaSrc {
             self.report_refusals();
             let popped = route.queue.pop(IDLE_CHECK);
             self.note_activity(matches!(popped, Popped::Item(_)));
+            let due = match &mut *self.state.lock().unwrap() {
+                State::Started(s) => s.reporter.check(s.frames, route.queue.dropped()),
+                State::Stopped => Default::default(),
+            };
+            crate::report::post(self.obj().upcast_ref(), due, None);
             match popped {
                 Popped::Flushing => return Err(gst::FlowError::Flushing),
                 Popped::Timeout => self.check_sender()?,
