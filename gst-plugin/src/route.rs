@@ -174,6 +174,8 @@ pub struct Route {
     current: Mutex<Option<String>>,
     /// Other senders of the same device already warned about.
     ignored: Mutex<HashSet<String>>,
+    /// Newly ignored senders, with the one followed, for the element to post warnings about.
+    conflicts: Mutex<Vec<(String, String)>>,
     /// The newest frame queued: sender, session and frame index (for duplicates).
     last: Mutex<Option<(String, u64, u64)>>,
 }
@@ -182,6 +184,12 @@ impl Route {
     /// The sender whose stream the element receives, once one streamed.
     pub fn current_sender(&self) -> Option<String> {
         self.current.lock().unwrap().clone()
+    }
+
+    /// Senders of this device that are ignored since the last call (another sender is being
+    /// followed): (ignored, followed).
+    pub fn take_conflicts(&self) -> Vec<(String, String)> {
+        std::mem::take(&mut *self.conflicts.lock().unwrap())
     }
 
     fn describe(&self) -> String {
@@ -378,6 +386,10 @@ impl Router {
             Some(c) if c == key.sender => Pick::Route(r.clone(), None),
             Some(c) if self.table.is_connected(c) => {
                 if r.ignored.lock().unwrap().insert(key.sender.clone()) {
+                    r.conflicts
+                        .lock()
+                        .unwrap()
+                        .push((key.sender.clone(), c.to_string()));
                     tracing::warn!(
                         "{}: ignoring device {} of sender '{}' while following sender '{c}'; set \
                          sender-name to choose",
@@ -658,6 +670,7 @@ impl RouteLease {
             queue: FrameQueue::new(req.max_buffers, req.policy),
             current: Mutex::new(None),
             ignored: Mutex::new(HashSet::new()),
+            conflicts: Mutex::new(Vec::new()),
             last: Mutex::new(None),
         });
         shared

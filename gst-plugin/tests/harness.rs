@@ -555,6 +555,41 @@ fn drops_post_qos_messages_and_stats_arrive_as_element_messages() {
     assert!(stats.get::<u64>("frames-dropped").unwrap() > 0, "{stats}");
 }
 
+/// Two senders stream the same device-id into one `rdmasrc` (without `sender-name`): the
+/// element follows the first and says on the bus that the second one's frames are ignored,
+/// naming both, instead of dropping them without a word.
+#[test]
+fn a_second_sender_of_the_same_device_is_reported_not_silently_dropped() {
+    init();
+    let port = free_port();
+    let e = src_element(port, 5, &[]);
+    let bus = bus_of(&e);
+    let mut rx = src_harness(&e);
+    let mut a = sink(port, 5, GRAY, &[("sender-name", "cam-a".to_value())]);
+    a.push(buffer(vec![1; 8], 0, 100)).unwrap();
+    assert_eq!(bytes(&rx.pull().unwrap()), vec![1; 8]);
+    let mut b = sink(port, 5, GRAY, &[("sender-name", "cam-b".to_value())]);
+    b.push(buffer(vec![2; 8], 0, 100)).unwrap();
+    let end = std::time::Instant::now() + DEADLINE;
+    let text = loop {
+        let msg = bus.timed_pop_filtered(
+            gst::ClockTime::from_mseconds(100),
+            &[gst::MessageType::Warning],
+        );
+        if let Some(m) = msg {
+            let text = error_text(&m);
+            if text.contains("also streams") {
+                break text;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "no warning about the second sender"
+        );
+    };
+    assert!(text.contains("cam-b") && text.contains("cam-a"), "{text}");
+}
+
 /// Runs `f` on a thread and waits for it, so that a hang fails the test.
 fn within_deadline(what: &str, f: impl FnOnce() + Send + 'static) {
     let (done_tx, done_rx) = mpsc::channel();

@@ -380,6 +380,26 @@ impl RdmaSrc {
         let _ = self.obj().post_message(msg);
     }
 
+    /// Posts a warning for each sender streaming this element's device-id that is ignored
+    /// because another one is followed: its frames would otherwise vanish without a word.
+    fn report_conflicts(&self, route: &Route) {
+        for (ignored, followed) in route.take_conflicts() {
+            let peer = match &*self.state.lock().unwrap() {
+                State::Started(s) => s.senders.peer_of(&ignored).unwrap_or_default(),
+                State::Stopped => String::new(),
+            };
+            gst::element_imp_warning!(
+                self,
+                gst::StreamError::Failed,
+                (
+                    "Sender '{ignored}' ({peer}) also streams device-id {}; its frames are ignored while sender '{followed}' is followed",
+                    route.device
+                ),
+                ["set sender-name to choose which sender this element receives"]
+            );
+        }
+    }
+
     /// Called when nothing arrived for a while: is the sender still there?
     fn check_sender(&self) -> Result<(), gst::FlowError> {
         let mut state = self.state.lock().unwrap();
@@ -876,6 +896,7 @@ impl PushSrcImpl for RdmaSrc {
         };
         loop {
             self.report_refusals();
+            self.report_conflicts(&route);
             let popped = route.queue.pop(IDLE_CHECK);
             self.note_activity(matches!(popped, Popped::Item(_)));
             let due = match &mut *self.state.lock().unwrap() {
