@@ -590,6 +590,47 @@ fn a_second_sender_of_the_same_device_is_reported_not_silently_dropped() {
     assert!(text.contains("cam-b") && text.contains("cam-a"), "{text}");
 }
 
+/// A sink says on the bus when it is connected, and when it is connected again after the
+/// receiver came back (`GstRdmaSinkConnected`, `reconnected` true the second time).
+#[test]
+fn a_sink_posts_connected_and_reconnected_messages() {
+    init();
+    let port = free_port();
+    let e = sink_element(port, 6, &[("stats-interval", 0u32.to_value())]);
+    let bus = bus_of(&e);
+    // Pushes (which drive the element's link checks) until the message comes.
+    let connected = |tx: &mut Harness, pts: &mut u64, want_reconnected: bool| {
+        let end = std::time::Instant::now() + DEADLINE;
+        loop {
+            tx.push(buffer(vec![1; 8], *pts, 100)).unwrap();
+            *pts += 100;
+            if let Some(m) = bus.timed_pop_filtered(
+                gst::ClockTime::from_mseconds(50),
+                &[gst::MessageType::Element],
+            ) {
+                let s = m.structure().unwrap();
+                if s.name() == "GstRdmaSinkConnected" {
+                    assert_eq!(
+                        s.get::<bool>("reconnected").unwrap(),
+                        want_reconnected,
+                        "{s}"
+                    );
+                    return;
+                }
+            }
+            assert!(std::time::Instant::now() < end, "no connected message");
+        }
+    };
+    e.set_property_from_str("drop-policy", "drop-oldest");
+    let rx = src(port, 6, &[]);
+    let mut tx = sink_harness(&e, GRAY);
+    let mut pts = 0;
+    connected(&mut tx, &mut pts, false);
+    drop(rx);
+    let _rx = src(port, 6, &[]);
+    connected(&mut tx, &mut pts, true);
+}
+
 /// Runs `f` on a thread and waits for it, so that a hang fails the test.
 fn within_deadline(what: &str, f: impl FnOnce() + Send + 'static) {
     let (done_tx, done_rx) = mpsc::channel();

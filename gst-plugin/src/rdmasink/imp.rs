@@ -96,6 +96,8 @@ struct Started {
     reconnect_timeout: Duration,
     down_since: Option<Instant>,
     reporter: crate::report::Reporter,
+    /// Connections already announced with a `GstRdmaSinkConnected` message.
+    connections_seen: u64,
     /// Caps text of the current caps: it travels as the device's format (the core sends it
     /// when it changes and again after every reconnect).
     caps: Option<Arc<str>>,
@@ -248,6 +250,26 @@ impl RdmaSink {
         }
         if link.connected && s.warned.take().is_some() {
             gst::info!(CAT, imp = self, "connected to {peer} again");
+        }
+        if link.connections > s.connections_seen {
+            // Connected, or connected again after a loss: an element message the application
+            // (or `gst-launch-1.0 -m`) can see.
+            s.connections_seen = link.connections;
+            let (count, sender) = (link.connections, s.lease.sender_name().to_string());
+            drop(state);
+            let msg = gst::message::Element::builder(
+                gst::Structure::builder("GstRdmaSinkConnected")
+                    .field("peer", &peer)
+                    .field("sender-name", sender)
+                    .field("connections", count)
+                    .field("reconnected", count > 1)
+                    .build(),
+            )
+            .src(&*self.obj())
+            .build();
+            let _ = self.obj().post_message(msg);
+            // The next check looks at the rest.
+            return Ok(());
         }
         if s.lease.sender_stopped() {
             s.failed = true;
@@ -630,6 +652,7 @@ impl BaseSinkImpl for RdmaSink {
             reconnect_timeout: Duration::from_millis(settings.reconnect_timeout_ms as u64),
             down_since: None,
             reporter: crate::report::Reporter::new(settings.stats_interval_ms),
+            connections_seen: 0,
             caps: None,
             next_index: 0,
             errors_seen: link.errors,
