@@ -83,9 +83,19 @@ pub fn choose(transport: &str, verbs: &VerbsSettings) -> Result<Kind> {
                 Ok(Kind::Verbs)
             }
             Err(e) => {
-                tracing::info!(
-                    "transport auto: no usable RDMA device ({e}); using the tcp software transport"
-                );
+                // One short line: this is the normal case on machines without RDMA.
+                let brief = match &e {
+                    Error::Rdma { source, .. } => match source.downcast_ref::<ibv::VerbsError>() {
+                        Some(ibv::VerbsError::NoKernelSupport { .. }) => {
+                            "this kernel has no RDMA support".to_string()
+                        }
+                        Some(ibv::VerbsError::NoDevice) => "no RDMA device".to_string(),
+                        _ => e.to_string(),
+                    },
+                    _ => e.to_string(),
+                };
+                tracing::info!("transport auto: {brief}; using the tcp software transport");
+                tracing::debug!("transport auto: {e}");
                 Ok(Kind::Tcp)
             }
         },
