@@ -380,7 +380,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecUInt::builder("block-size")
                     .nick("Block size")
-                    .blurb("Bytes per block including the 60-byte header and trailer; must not exceed the receiver's. Larger buffers span several blocks")
+                    .blurb("Bytes per block including the 60-byte header and trailer; must not exceed the receiver's. Larger buffers span several blocks. (Not the inherited `blocksize`, a BaseSink setting for pull mode that this element does not use)")
                     .minimum(rdmastream::proto::OVERHEAD as u32 + 1)
                     .maximum(1 << 30)
                     .default_value(DEFAULT_BLOCK_SIZE)

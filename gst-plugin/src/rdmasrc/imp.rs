@@ -468,7 +468,7 @@ impl ObjectImpl for RdmaSrc {
                     .build(),
                 glib::ParamSpecUInt::builder("port")
                     .nick("Port")
-                    .blurb("Port to accept senders on")
+                    .blurb("Port to accept senders on; 0 picks a free port (read it from stats: local-address)")
                     .maximum(65535)
                     .default_value(DEFAULT_PORT)
                     .mutable_ready()
@@ -500,7 +500,7 @@ impl ObjectImpl for RdmaSrc {
                     .build(),
                 glib::ParamSpecUInt::builder("block-size")
                     .nick("Block size")
-                    .blurb("Bytes per memory block including the 60-byte header and trailer; senders' block-size must not exceed it")
+                    .blurb("Bytes per memory block including the 60-byte header and trailer; senders' block-size must not exceed it. (Not the inherited `blocksize`, BaseSrc's read size, which this element does not use: a buffer is one whole frame)")
                     .minimum(rdmastream::proto::OVERHEAD as u32 + 1)
                     .maximum(1 << 30)
                     .default_value(DEFAULT_BLOCK_SIZE)
