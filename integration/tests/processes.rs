@@ -464,6 +464,12 @@ fn bad_config_names_file_key_and_reason() {
             "missing.key",
         ),
         ("receiver", "memory_budget = \"1 MiB\"\n", "`memory_budget`"),
+        // A source that cannot be built is bad input too (exit 2), naming the device.
+        (
+            "sender",
+            "name = \"a\"\nreceiver = \"x:1\"\n[[device]]\nid = 4\nsource = \"images\"\ndir = \"/nonexistent-dir\"\n",
+            "device 4: /nonexistent-dir",
+        ),
     ];
     for (n, (binary, text, key)) in cases.iter().enumerate() {
         let cfg = write(tmp.path(), &format!("{n}.toml"), text);

@@ -105,15 +105,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     // Build every producer first so a bad image directory fails before anything streams.
     let mut producers = Vec::new();
     for d in &devices {
+        // A source that cannot be built (no images in `dir`, a pipeline that does not parse)
+        // is bad input: a config error naming the device, exit 2.
+        let bad = |why: String| ConfigError::new(&file, "", format!("device {}: {why}", d.id));
         let p = match &d.kind {
             Source::Builtin(kind) => Runner::Builtin(
                 Producer::new(d.id, kind)
-                    .with_context(|| format!("device {} in {}", d.id, file.display()))?,
+                    .map_err(|e| bad(rdmastream_app::cli::describe_error(&e)))?,
             ),
             Source::Gstreamer(launch) => Runner::Gstreamer(
-                rdmastream_app::gst::LaunchSource::new(d.id, launch)
-                    .map_err(anyhow::Error::msg)
-                    .with_context(|| format!("device {} in {}", d.id, file.display()))?,
+                rdmastream_app::gst::LaunchSource::new(d.id, launch).map_err(bad)?,
             ),
         };
         producers.push((d, p));
