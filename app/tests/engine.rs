@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rdmastream::engine::{
     DropPolicy, ReceiverHandle, ReceiverOptions, SenderHandle, SenderOptions,
@@ -34,16 +34,7 @@ fn settings(blocks: usize, block_size: usize, reserved: Vec<usize>) -> RegionSet
     }
 }
 
-fn wait_until(deadline: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let end = Instant::now() + deadline;
-    while Instant::now() < end {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    cond()
-}
+use rdmastream_testkit::wait_for as wait_until;
 
 /// Streams `frames` frames from a small camera and a radar, checks every frame arrived
 /// verified, in order, and nothing was dropped.
