@@ -358,6 +358,16 @@ mod tests {
     }
 }
 
+/// The bad-input part of a binary's error, if that is what it is: a [`ConfigError`] directly or
+/// inside [`crate::Error::Config`]. Binaries print it as "bad config" and exit 2.
+pub fn config_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a ConfigError> {
+    e.downcast_ref::<ConfigError>()
+        .or_else(|| match e.downcast_ref::<crate::Error>() {
+            Some(crate::Error::Config(c)) => Some(c),
+            _ => None,
+        })
+}
+
 /// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the line
 /// already holds (many errors put their source into their own message).
 pub fn describe_error(e: &(dyn std::error::Error + 'static)) -> String {

@@ -9,6 +9,8 @@
 //! - [`cli`]: what the binaries share: config loading with file/key errors, keys, logging, the
 //!   status-line clock, error lines.
 //! - [`gst`] (feature `gstreamer`): GStreamer pipelines as sources and sinks of the binaries.
+//! - [`run`]: what a binary does between a valid config and its exit code.
+//! - [`Error`]: this crate's one error type.
 //!
 //! What it does not do: no protocol decisions (`rdmastream-proto`), no threads that move blocks
 //! (`rdmastream`), no RDMA (`rdmastream-verbs`), no GStreamer elements (`gst-plugin-rdma`).
@@ -16,7 +18,11 @@
 
 pub mod cli;
 pub mod config;
+pub mod error;
 #[cfg(feature = "gstreamer")]
 pub mod gst;
+pub mod run;
 pub mod sink;
 pub mod source;
+
+pub use error::Error;

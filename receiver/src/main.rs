@@ -4,14 +4,12 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
 
-use rdmastream::engine::{ReceiverHandle, StreamKey};
-use rdmastream::stats::{StatusLine, get};
-use rdmastream_app::cli::{ByteSize, ConfigError, every, init_logging, load_config};
+use rdmastream::engine::ReceiverHandle;
+use rdmastream_app::cli::{ConfigError, init_logging, load_config};
 use rdmastream_app::config::{ReceiverConfig, ReceiverPlan};
 use rdmastream_app::sink::DirectorySink;
 use rdmastream_verbs::{VerbsSettings, posted_work_requests};
@@ -51,17 +49,19 @@ fn main() {
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => std::process::exit(code),
-        Err(e) if e.downcast_ref::<ConfigError>().is_some() => {
-            eprintln!("receiver: bad config: {e}");
-            std::process::exit(2);
-        }
-        Err(e) => {
-            eprintln!(
-                "receiver: {}",
-                rdmastream_app::cli::describe_error(e.as_ref())
-            );
-            std::process::exit(1);
-        }
+        Err(e) => match rdmastream_app::cli::config_error(e.as_ref()) {
+            Some(c) => {
+                eprintln!("receiver: bad config: {c}");
+                std::process::exit(2);
+            }
+            None => {
+                eprintln!(
+                    "receiver: {}",
+                    rdmastream_app::cli::describe_error(e.as_ref())
+                );
+                std::process::exit(1);
+            }
+        },
     }
 }
 
@@ -131,110 +131,13 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         })
         .context("installing the Ctrl-C handler")?;
     }
-    let mut line = StatusLine::<StreamKey>::default();
-    every(
-        Duration::from_secs_f64(cfg.status_interval),
-        &stop,
-        |elapsed| {
-            tracing::info!("status: {}", line.render(receiver.counters(), elapsed));
-            !(cli.exit_after_eos && receiver.all_senders_ended())
-        },
-    );
-    let counters = receiver.counters().all();
-    let reorder = receiver.reorder_stats();
-    let invalid = receiver.invalid().all();
-    let (blocks, idle, refused) = (receiver.blocks(), receiver.idle_polls(), receiver.refused());
-    let refused_by_kind = receiver.refused_by_kind();
-    receiver.stop();
-    let mut mismatched = 0;
-    // Frames of lossless devices that never made it to the output: never a success.
-    let mut lost = 0;
-    for (key, c) in &counters {
-        let r = reorder
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, r)| *r)
-            .unwrap_or_default();
-        mismatched += get(&c.mismatched);
-        tracing::info!(
-            "summary {key}: {} frames received, {} written{}, {} MB, verified {} mismatched {}, missing {} duplicate frames {} write errors {} unwritten {}, packets: gaps {} duplicates {} reordered {} partial {} oversized {} over-budget {}{}",
-            get(&c.frames),
-            get(&c.written),
-            if get(&c.reliable) == 1 {
-                " (lossless)"
-            } else {
-                ""
-            },
-            get(&c.bytes) / 1_000_000,
-            get(&c.verified),
-            get(&c.mismatched),
-            get(&c.missing),
-            get(&c.duplicates),
-            get(&c.write_errors),
-            get(&c.unwritten),
-            r.gap_packets,
-            r.duplicates,
-            r.reordered,
-            r.partial_messages,
-            r.oversized,
-            r.over_budget,
-            if get(&c.ended) == 1 { ", ended" } else { "" }
-        );
-        if get(&c.reliable) == 1 {
-            lost += get(&c.missing) + get(&c.unwritten);
-        }
-    }
-    let p = line.total_latency();
-    let ms = |d: Option<std::time::Duration>| match d {
-        Some(d) => format!("{:.3} ms", d.as_secs_f64() * 1e3),
-        None => "- (no frames)".to_string(),
-    };
-    let listed = |m: Vec<(String, u64)>| {
-        if m.is_empty() {
-            "none".to_string()
-        } else {
-            m.iter()
-                .map(|(k, n)| format!("{n} {k}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        }
-    };
-    tracing::info!(
-        "summary: {blocks} blocks, {idle} idle polls, {refused} connections refused ({}), {} work requests posted by the receiver, invalid blocks: {}, latency p50 {} p99 {}",
-        listed(
-            refused_by_kind
-                .iter()
-                .map(|(k, n)| (k.to_string(), *n))
-                .collect()
-        ),
+    Ok(rdmastream_app::run::receiver(
+        receiver,
+        &files,
+        cfg.status_interval,
+        cli.exit_after_eos,
+        cli.verify,
+        stop,
         posted_work_requests(),
-        listed(invalid.iter().map(|(k, n)| (k.to_string(), *n)).collect()),
-        ms(p.quantile(0.5)),
-        ms(p.quantile(0.99))
-    );
-    let ev = files.evictions();
-    tracing::info!(
-        "summary: output {} on disk, {} frame files deleted for keep, {} for disk_budget",
-        ByteSize(files.disk_used()),
-        ev.keep,
-        ev.disk_budget
-    );
-    if lost > 0 {
-        eprintln!(
-            "receiver: FAILED: {lost} frames of lossless devices are missing from the output \
-             (see the summary lines: missing, unwritten)"
-        );
-        return Ok(4);
-    }
-    if cli.verify {
-        let verified: u64 = counters.iter().map(|(_, c)| get(&c.verified)).sum();
-        if mismatched > 0 {
-            eprintln!(
-                "receiver: verify FAILED: {mismatched} frames differ from the reference pattern"
-            );
-            return Ok(3);
-        }
-        tracing::info!("verify: all {verified} synthetic frames match the reference pattern");
-    }
-    Ok(0)
+    ))
 }

@@ -1,0 +1,316 @@
+//! Running the binaries: what happens between loading a valid config and the exit code, so the
+//! `main.rs` files keep only the command line, loading and wiring.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rdmastream::engine::{ReceiverHandle, SenderHandle, SenderOptions, StreamKey};
+use rdmastream::proto::handshake::Key;
+use rdmastream::stats::{StatusLine, get};
+use rdmastream::transport::Connector;
+
+use crate::Error;
+use crate::cli::{ByteSize, ConfigError, every};
+use crate::config::{Device, SenderConfig, Source};
+use crate::sink::DirectorySink;
+use crate::source::Producer;
+
+/// A device's source, ready to run on its thread.
+enum Runner {
+    Builtin(Producer),
+    #[cfg(feature = "gstreamer")]
+    Gstreamer(crate::gst::LaunchSource),
+}
+
+/// Runs a sender: builds every device's source (a source that cannot be built is a
+/// [`ConfigError`] naming the device), streams through `connector` until the sources end,
+/// `duration` seconds pass or `stop` is set (Ctrl-C), then delivers what is left within the
+/// shutdown grace period and logs the summary. `Err(Error::Undelivered)` when frames were left.
+pub fn sender(
+    cfg: &SenderConfig,
+    file: &Path,
+    devices: &[Device],
+    key: Option<Key>,
+    connector: Box<dyn Connector>,
+    duration: Option<f64>,
+    stop: Arc<AtomicBool>,
+) -> Result<(), Error> {
+    // Build every producer first so a bad image directory fails before anything streams.
+    let mut producers = Vec::new();
+    for d in devices {
+        // A source that cannot be built (no images in `dir`, a pipeline that does not parse)
+        // is bad input: a config error naming the device, exit 2.
+        let bad = |why: String| ConfigError::new(file, "", format!("device {}: {why}", d.id));
+        let p = match &d.kind {
+            Source::Builtin(kind) => Runner::Builtin(
+                Producer::new(d.id, kind).map_err(|e| bad(crate::cli::describe_error(&e)))?,
+            ),
+            #[cfg(feature = "gstreamer")]
+            Source::Gstreamer(launch) => {
+                Runner::Gstreamer(crate::gst::LaunchSource::new(d.id, launch).map_err(bad)?)
+            }
+            #[cfg(not(feature = "gstreamer"))]
+            Source::Gstreamer(_) => {
+                return Err(bad("this build has no GStreamer support".into()).into());
+            }
+        };
+        producers.push((d, p));
+    }
+    let opts = SenderOptions {
+        name: cfg.name.clone(),
+        key,
+        send_blocks: cfg.send_blocks,
+        block_size: cfg.block_size,
+        max_outstanding: cfg.max_outstanding,
+        first_packet: cfg.first_packet,
+        ..Default::default()
+    };
+    tracing::info!(
+        "sender '{}' -> {} ({}): {} devices, {} send blocks of {} bytes",
+        cfg.name,
+        cfg.receiver,
+        cfg.transport,
+        devices.len(),
+        cfg.send_blocks,
+        cfg.block_size
+    );
+    let mut sender = SenderHandle::start(opts, connector, cfg.queue_depth)?;
+    let mut sources = Vec::new();
+    for (d, producer) in producers {
+        let input = sender.add_device(d.id, d.policy);
+        let (stop, frames) = (stop.clone(), d.frames);
+        sources.push(
+            std::thread::Builder::new()
+                .name(format!("source-{}", d.id))
+                .spawn(move || {
+                    match producer {
+                        Runner::Builtin(p) => p.run(&stop, frames, |f| input.push(f)),
+                        #[cfg(feature = "gstreamer")]
+                        Runner::Gstreamer(p) => {
+                            if let Err(e) = p.run(&stop, |f| input.push(f)) {
+                                tracing::error!("{e}; ending the device");
+                            }
+                        }
+                    }
+                    input.end();
+                })
+                .map_err(|source| Error::Io {
+                    what: "starting a source thread".into(),
+                    source,
+                })?,
+        );
+    }
+    let started = Instant::now();
+    let deadline = duration.map(|s| started + Duration::from_secs_f64(s.max(0.0)));
+    let counters = sender.counters();
+    let mut line = StatusLine::<u8>::default();
+    every(
+        Duration::from_secs_f64(cfg.status_interval),
+        &stop,
+        |elapsed| {
+            let m = sender.machine_stats();
+            tracing::info!(
+                "status: {} | syncs {} retained-skipped {}",
+                line.render(&counters, elapsed),
+                m.syncs,
+                m.retained_skipped
+            );
+            if sender.is_finished() {
+                return false;
+            }
+            // Every source ended by itself (a frame count, finite gstreamer pipelines): flush
+            // and exit.
+            if sources.iter().all(|s| s.is_finished()) {
+                return false;
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                stop.store(true, Ordering::Release);
+            }
+            true
+        },
+    );
+    // Flushing: everything the sources produced is delivered (for lossless devices: confirmed
+    // by the receiver), however long that takes while nobody asked to stop; once a stop was
+    // asked for (Ctrl-C, --duration), for at most the grace period, whatever the link does.
+    let grace = Duration::from_secs_f64(cfg.shutdown_grace);
+    sender.close();
+    let mut give_up: Option<Instant> = None;
+    let mut told = Instant::now();
+    while !(sender.is_finished() && sources.iter().all(|s| s.is_finished())) {
+        // The sending thread gave up (refused, failed): nothing more can be delivered, so the
+        // sources stop too and the error is reported below.
+        if sender.is_finished() {
+            stop.store(true, Ordering::Release);
+        }
+        if give_up.is_none() && stop.load(Ordering::Acquire) {
+            give_up = Some(Instant::now() + grace);
+        }
+        if give_up.is_some_and(|t| Instant::now() >= t) {
+            break;
+        }
+        if told.elapsed() >= Duration::from_secs_f64(cfg.status_interval) {
+            told = Instant::now();
+            tracing::info!(
+                "stopping: delivering what is left{}",
+                give_up.map_or(String::new(), |t| format!(
+                    " (giving up in {:.1} s)",
+                    t.saturating_duration_since(Instant::now()).as_secs_f64()
+                ))
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Release);
+    let report = sender.finish(Duration::ZERO)?;
+    for s in sources {
+        let _ = s.join();
+    }
+    let total: u64 = counters
+        .all()
+        .iter()
+        .map(|(_, c)| rdmastream::stats::get(&c.frames))
+        .sum();
+    let drops: u64 = counters
+        .all()
+        .iter()
+        .map(|(_, c)| rdmastream::stats::get(&c.drops))
+        .sum();
+    tracing::info!(
+        "done after {:.1}s: {total} frames written, {drops} dropped, {} write chains, {} syncs ({} found nothing free), {} connections, {} blocks unsent",
+        started.elapsed().as_secs_f64(),
+        report.machine.writes,
+        report.machine.syncs,
+        report.machine.empty_syncs,
+        report.connections,
+        report.unsent
+    );
+    if report.unsent > 0 || report.undelivered_frames > 0 {
+        return Err(Error::Undelivered {
+            frames: report.undelivered_frames,
+            blocks: report.unsent as u64,
+            receiver: cfg.receiver.clone(),
+            grace: cfg.shutdown_grace,
+        });
+    }
+    Ok(())
+}
+
+/// Runs a started receiver: a status line every `status_interval` until `stop` is set (Ctrl-C)
+/// or, with `exit_after_eos`, every sender that connected has ended its streams; then stops it,
+/// logs the summary and returns the exit code: 4 when frames of lossless devices are missing
+/// from the output, 3 when `verify` found a frame that differs from its reference, else 0.
+/// `posted_work_requests` is the transport's count (0 for a receiver, by the mechanism).
+pub fn receiver(
+    receiver: ReceiverHandle,
+    files: &DirectorySink,
+    status_interval: f64,
+    exit_after_eos: bool,
+    verify: bool,
+    stop: Arc<AtomicBool>,
+    posted_work_requests: u64,
+) -> i32 {
+    let mut line = StatusLine::<StreamKey>::default();
+    every(Duration::from_secs_f64(status_interval), &stop, |elapsed| {
+        tracing::info!("status: {}", line.render(receiver.counters(), elapsed));
+        !(exit_after_eos && receiver.all_senders_ended())
+    });
+    let counters = receiver.counters().all();
+    let reorder = receiver.reorder_stats();
+    let invalid = receiver.invalid().all();
+    let (blocks, idle, refused) = (receiver.blocks(), receiver.idle_polls(), receiver.refused());
+    let refused_by_kind = receiver.refused_by_kind();
+    receiver.stop();
+    let mut mismatched = 0;
+    // Frames of lossless devices that never made it to the output: never a success.
+    let mut lost = 0;
+    for (key, c) in &counters {
+        let r = reorder
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, r)| *r)
+            .unwrap_or_default();
+        mismatched += get(&c.mismatched);
+        tracing::info!(
+            "summary {key}: {} frames received, {} written{}, {} MB, verified {} mismatched {}, missing {} duplicate frames {} write errors {} unwritten {}, packets: gaps {} duplicates {} reordered {} partial {} oversized {} over-budget {}{}",
+            get(&c.frames),
+            get(&c.written),
+            if get(&c.reliable) == 1 {
+                " (lossless)"
+            } else {
+                ""
+            },
+            get(&c.bytes) / 1_000_000,
+            get(&c.verified),
+            get(&c.mismatched),
+            get(&c.missing),
+            get(&c.duplicates),
+            get(&c.write_errors),
+            get(&c.unwritten),
+            r.gap_packets,
+            r.duplicates,
+            r.reordered,
+            r.partial_messages,
+            r.oversized,
+            r.over_budget,
+            if get(&c.ended) == 1 { ", ended" } else { "" }
+        );
+        if get(&c.reliable) == 1 {
+            lost += get(&c.missing) + get(&c.unwritten);
+        }
+    }
+    let p = line.total_latency();
+    let ms = |d: Option<std::time::Duration>| match d {
+        Some(d) => format!("{:.3} ms", d.as_secs_f64() * 1e3),
+        None => "- (no frames)".to_string(),
+    };
+    let listed = |m: Vec<(String, u64)>| {
+        if m.is_empty() {
+            "none".to_string()
+        } else {
+            m.iter()
+                .map(|(k, n)| format!("{n} {k}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    };
+    tracing::info!(
+        "summary: {blocks} blocks, {idle} idle polls, {refused} connections refused ({}), {} work requests posted by the receiver, invalid blocks: {}, latency p50 {} p99 {}",
+        listed(
+            refused_by_kind
+                .iter()
+                .map(|(k, n)| (k.to_string(), *n))
+                .collect()
+        ),
+        posted_work_requests,
+        listed(invalid.iter().map(|(k, n)| (k.to_string(), *n)).collect()),
+        ms(p.quantile(0.5)),
+        ms(p.quantile(0.99))
+    );
+    let ev = files.evictions();
+    tracing::info!(
+        "summary: output {} on disk, {} frame files deleted for keep, {} for disk_budget",
+        ByteSize(files.disk_used()),
+        ev.keep,
+        ev.disk_budget
+    );
+    if lost > 0 {
+        eprintln!(
+            "receiver: FAILED: {lost} frames of lossless devices are missing from the output \
+             (see the summary lines: missing, unwritten)"
+        );
+        return 4;
+    }
+    if verify {
+        let verified: u64 = counters.iter().map(|(_, c)| get(&c.verified)).sum();
+        if mismatched > 0 {
+            eprintln!(
+                "receiver: verify FAILED: {mismatched} frames differ from the reference pattern"
+            );
+            return 3;
+        }
+        tracing::info!("verify: all {verified} synthetic frames match the reference pattern");
+    }
+    0
+}
