@@ -239,10 +239,6 @@ impl RegisteredBlocks for VerbsSendBlocks {
         // SAFETY: as in `fill_block`: the lock excludes the filling thread, the NIC only reads.
         f(unsafe { self.mr.range(self.range(i, len)) })
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
 }
 
 /// Connects a sender to a receiver over RDMA verbs, through a TCP side channel at `addr`.
@@ -253,6 +249,9 @@ pub struct VerbsConnector {
     pd: ProtectionDomain,
     max_outstanding: usize,
     peer_timeout: Duration,
+    /// The memory region of the send blocks this connector registered: connections name it
+    /// as the source of their WRITEs (kept here, not recovered from the blocks by a downcast).
+    send_mr: Mutex<Option<Arc<MemoryRegion>>>,
 }
 
 impl VerbsConnector {
@@ -273,6 +272,7 @@ impl VerbsConnector {
             pd,
             max_outstanding: max_outstanding.max(1),
             peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+            send_mr: Mutex::new(None),
         })
     }
 
@@ -305,11 +305,13 @@ impl Connector for VerbsConnector {
                 )
             })?;
         let locks = (0..count).map(|_| Mutex::new(())).collect();
+        let mr = Arc::new(mr);
+        *self.send_mr.lock() = Some(mr.clone());
         Ok(SendBlocks::registered(
             count,
             block_size,
             Box::new(VerbsSendBlocks {
-                mr: Arc::new(mr),
+                mr,
                 block_size,
                 locks,
             }),
@@ -323,12 +325,13 @@ impl Connector for VerbsConnector {
         blocks: &Arc<SendBlocks>,
     ) -> Result<Box<dyn Connection>> {
         let peer = self.addr.clone();
-        let send_mr = blocks
-            .registration()
-            .and_then(|r| r.as_any().downcast_ref::<VerbsSendBlocks>())
-            .map(|b| b.mr.clone())
+        let send_mr = self
+            .send_mr
+            .lock()
+            .clone()
+            .filter(|_| blocks.registration().is_some())
             .ok_or_else(|| {
-                Error::invalid("send blocks", "not registered by this verbs transport")
+                Error::invalid("send blocks", "not registered by this verbs connector")
             })?;
         let depth = self.max_outstanding;
         let cq = self

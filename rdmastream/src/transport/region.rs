@@ -350,8 +350,6 @@ pub trait RegisteredBlocks: Send + Sync {
     fn fill_block(&self, i: usize, f: &mut dyn FnMut(&mut [u8]));
     /// Runs `f` over the first `len` bytes of block `i`.
     fn read_block(&self, i: usize, len: usize, f: &mut dyn FnMut(&[u8]));
-    /// For the owning transport to find its registration again.
-    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 enum SendMemory {
