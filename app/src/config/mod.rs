@@ -22,3 +22,36 @@ pub(crate) fn seconds_within(
         ))
     }
 }
+
+#[cfg(test)]
+mod shipped_tests {
+    use super::*;
+    use std::path::Path;
+
+    const RECEIVER: &str = include_str!("../../../configs/receiver.toml");
+    const SENDER: &str = include_str!("../../../configs/sender.toml");
+
+    /// The shipped configs document the defaults: every key they set has the value the code
+    /// uses when the key is left out (their device lists are examples, not defaults).
+    #[test]
+    fn the_shipped_configs_state_the_code_defaults() {
+        let file = Path::new("configs/receiver.toml");
+        let mut shipped = ReceiverConfig::parse(RECEIVER, file).unwrap();
+        let mut defaults = ReceiverConfig::parse("", file).unwrap();
+        shipped.device.clear();
+        defaults.device.clear();
+        assert_eq!(format!("{shipped:#?}"), format!("{defaults:#?}"));
+
+        let file = Path::new("configs/sender.toml");
+        let mut shipped = SenderConfig::parse(SENDER, file).unwrap();
+        // `name` and `receiver` have no default: a sender must say who it is and where to go.
+        let required = format!(
+            "name = {:?}\nreceiver = {:?}\n",
+            shipped.name, shipped.receiver
+        );
+        let mut defaults = SenderConfig::parse(&required, file).unwrap();
+        shipped.device.clear();
+        defaults.device.clear();
+        assert_eq!(format!("{shipped:#?}"), format!("{defaults:#?}"));
+    }
+}

@@ -52,7 +52,7 @@ pub struct ReceiverConfig {
     pub out: PathBuf,
     #[serde(default = "d_format")]
     pub format: String,
-    #[serde(default)]
+    #[serde(default = "d_keep")]
     pub keep: usize,
     #[serde(default = "d_writers")]
     pub writers: usize,
@@ -120,6 +120,10 @@ pub struct ReceiverDeviceConfig {
     pub keep: Option<usize>,
     /// Sink "gstreamer": frames go into `appsrc ! <pipeline>` instead of files.
     pub pipeline: Option<String>,
+}
+
+fn d_keep() -> usize {
+    50
 }
 
 fn d_listen() -> String {
