@@ -1,7 +1,7 @@
 //! The `transport` and `drop-policy` properties, and how they map onto the core's transports.
 //!
-//! This is the one place that knows which transports exist; the elements only pass the
-//! property values on.
+//! The elements pass the property values on; which transport a setting means is decided in one
+//! place for the binaries and the elements alike (`rdmastream_verbs::connector` / `listener`).
 
 use std::time::{Duration, Instant};
 

@@ -103,7 +103,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             .with_context(|| format!("output directory {}", cfg.out.display()))?,
     );
     let sink = files.clone();
-    // Devices with a `pipeline` go to GStreamer (gst-plugin's LaunchSinks), the rest to files.
+    // Devices with a `pipeline` go to GStreamer (rdmastream_app::gst::LaunchSinks), the rest to files.
     let sink: Arc<dyn rdmastream::engine::FrameSink> = if pipelines.is_empty() {
         sink
     } else {

@@ -107,7 +107,7 @@ fn d_policy() -> String {
 #[derive(Clone)]
 pub enum Source {
     Builtin(SourceKind),
-    /// A GStreamer launch string ending in appsink (gst-plugin's `LaunchSource`).
+    /// A GStreamer launch string ending in appsink (`crate::gst::LaunchSource`).
     Gstreamer(String),
 }
 

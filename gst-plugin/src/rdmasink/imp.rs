@@ -1,3 +1,6 @@
+//! `rdmasink`'s implementation: properties, the BaseSink virtual methods (start, render, event,
+//! stop), link checks that turn the core sender's state into bus messages, and the URI handler.
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};

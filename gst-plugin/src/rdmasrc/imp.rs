@@ -1,3 +1,7 @@
+//! `rdmasrc`'s implementation: properties, the PushSrc virtual methods (start, create, stop),
+//! timestamping, caps from the stream's format, bus messages (refusals, conflicts, a vanished
+//! sender, timeouts, QoS, stats) and the URI handler.
+
 use std::str::FromStr;
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
