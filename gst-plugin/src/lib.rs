@@ -15,6 +15,9 @@
 
 use gst::glib;
 
+pub use error::Error;
+
+pub mod error;
 mod link;
 mod logging;
 mod rdmasink;

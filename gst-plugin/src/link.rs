@@ -238,7 +238,7 @@ pub struct LeaseRequest<'a> {
 
 impl DeviceLease {
     /// Leases `device` on the shared sender for `key`, starting the sender if there is none.
-    pub fn acquire(req: LeaseRequest<'_>) -> Result<Arc<DeviceLease>, String> {
+    pub fn acquire(req: LeaseRequest<'_>) -> Result<Arc<DeviceLease>, crate::Error> {
         let mut senders = SENDERS.lock().unwrap();
         let shared = match senders.get(&req.key) {
             Some(s) if !s.is_finished() => {
@@ -271,8 +271,12 @@ impl DeviceLease {
                     name: req.key.name.clone(),
                     ..req.opts
                 };
-                let handle = SenderHandle::start(opts, Box::new(connector), QUEUE_DEPTH)
-                    .map_err(|e| format!("cannot start sending to {}: {e}", req.key.peer))?;
+                let handle = SenderHandle::start(opts, Box::new(connector), QUEUE_DEPTH).map_err(
+                    |source| crate::Error::Transport {
+                        what: format!("cannot start sending to {}", req.key.peer),
+                        source,
+                    },
+                )?;
                 let shared = Arc::new(SharedSender {
                     key: req.key.clone(),
                     handle: Mutex::new(Some(handle)),
@@ -286,10 +290,12 @@ impl DeviceLease {
         };
         let mut devices = shared.devices.lock().unwrap();
         if let Some(other) = devices.get(&req.device) {
-            return Err(format!(
-                "device-id {} is already streamed by {other} on the connection to {} as '{}'",
-                req.device, shared.key.peer, shared.key.name
-            ));
+            return Err(crate::Error::DeviceTaken {
+                device: req.device,
+                by: other.clone(),
+                peer: shared.key.peer.clone(),
+                name: shared.key.name.clone(),
+            });
         }
         let guard = shared.handle.lock().unwrap();
         let handle = guard.as_ref().expect("running while registered");

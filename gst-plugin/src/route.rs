@@ -413,18 +413,20 @@ impl Router {
         }
     }
 
-    fn register(&self, route: Arc<Route>) -> Result<(), String> {
+    /// Adds `route` (of the listener on `addr`); refused when an element already receives the
+    /// same (sender, device).
+    fn register(&self, route: Arc<Route>, addr: &str) -> Result<(), crate::Error> {
         let mut s = self.state.lock().unwrap();
         if let Some(other) = s
             .routes
             .iter()
             .find(|r| r.device == route.device && r.sender == route.sender)
         {
-            return Err(format!(
-                "{} is already received by {}",
-                route.describe(),
-                other.element
-            ));
+            return Err(crate::Error::RouteTaken {
+                what: route.describe(),
+                by: other.element.clone(),
+                addr: addr.to_string(),
+            });
         }
         s.routes.push(route.clone());
         // Hand over what arrived for it before it asked, starting with its caps.
@@ -606,7 +608,7 @@ pub struct RouteLease {
 
 impl RouteLease {
     /// Subscribes to a device, starting the receiver (binding the address) if there is none.
-    pub fn acquire(req: RouteRequest<'_>) -> Result<RouteLease, String> {
+    pub fn acquire(req: RouteRequest<'_>) -> Result<RouteLease, crate::Error> {
         let mut receivers = RECEIVERS.lock().unwrap();
         let shared = match receivers.get(&req.key) {
             Some(s) => {
@@ -650,7 +652,10 @@ impl RouteLease {
                     Box::new(listener),
                     router.clone(),
                 )
-                .map_err(|e| format!("cannot start receiving on {}: {e}", req.key.addr))?;
+                .map_err(|source| crate::Error::Transport {
+                    what: format!("cannot start receiving on {}", req.key.addr),
+                    source,
+                })?;
                 let shared = Arc::new(SharedReceiver {
                     key: req.key.clone(),
                     local_addr: handle.local_addr().to_string(),
@@ -673,10 +678,7 @@ impl RouteLease {
             conflicts: Mutex::new(Vec::new()),
             last: Mutex::new(None),
         });
-        shared
-            .router
-            .register(route.clone())
-            .map_err(|e| format!("{e} on {}", shared.local_addr))?;
+        shared.router.register(route.clone(), &shared.local_addr)?;
         Ok(RouteLease { shared, route })
     }
 

@@ -81,7 +81,7 @@ pub fn connector(
     peer: &str,
     verbs: &VerbsSettings,
     max_outstanding: usize,
-) -> Result<Box<dyn Connector>, String> {
+) -> Result<Box<dyn Connector>, crate::Error> {
     verbs::connector(
         transport.nick(),
         peer,
@@ -90,7 +90,10 @@ pub fn connector(
         rdmastream::transport::DEFAULT_PEER_TIMEOUT,
     )
     .map(|(_, c)| c)
-    .map_err(|e| e.to_string())
+    .map_err(|source| crate::Error::Transport {
+        what: format!("transport {} to {peer}", transport.nick()),
+        source,
+    })
 }
 
 /// A listener on `addr` (`address:port`) over `transport`, offering `settings` to each sender
@@ -104,7 +107,7 @@ pub fn listener(
     addr: &str,
     settings: RegionSettings,
     verbs: &VerbsSettings,
-) -> Result<Box<dyn Listener>, String> {
+) -> Result<Box<dyn Listener>, crate::Error> {
     let deadline = Instant::now() + Duration::from_secs(1);
     loop {
         match verbs::listener(transport.nick(), addr, settings.clone(), verbs) {
@@ -114,7 +117,12 @@ pub fn listener(
             {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e) => return Err(e.to_string()),
+            Err(source) => {
+                return Err(crate::Error::Transport {
+                    what: format!("transport {} on {addr}", transport.nick()),
+                    source,
+                });
+            }
         }
     }
 }
@@ -132,16 +140,16 @@ pub fn join_host_port(host: &str, port: u32) -> String {
 pub fn element_key(
     key: Option<&str>,
     key_file: Option<&str>,
-) -> Result<Option<rdmastream::proto::handshake::Key>, String> {
+) -> Result<Option<rdmastream::proto::handshake::Key>, crate::Error> {
     use rdmastream::proto::handshake::Key;
     match (key, key_file) {
-        (Some(_), Some(_)) => Err("set key or key-file, not both".into()),
+        (Some(_), Some(_)) => Err(crate::Error::Key("set key or key-file, not both".into())),
         (Some(k), None) => Key::new(k.trim().as_bytes().to_vec())
             .map(Some)
-            .map_err(|e| format!("key: {e}")),
+            .map_err(|e| crate::Error::Key(format!("key: {e}"))),
         (None, Some(path)) => rdmastream_app::cli::read_key_file(std::path::Path::new(path))
             .map(Some)
-            .map_err(|e| format!("key-file: {e}")),
+            .map_err(|e| crate::Error::Key(format!("key-file: {e}"))),
         (None, None) => Ok(None),
     }
 }

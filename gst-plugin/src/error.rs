@@ -1,0 +1,35 @@
+//! The one error type of the plugin crate: what can stop an element from starting. Elements
+//! post it (its text) as the GStreamer error message.
+
+/// Why an element cannot start streaming.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Choosing or opening the transport, or starting the core sender or receiver, failed.
+    #[error("{what}: {source}")]
+    Transport {
+        what: String,
+        #[source]
+        source: rdmastream::Error,
+    },
+    /// `key` and `key-file` are both set, or the key is unusable.
+    #[error("{0}")]
+    Key(String),
+    /// Another `rdmasink` of this process already streams the device on that connection.
+    #[error(
+        "device-id {device} is already streamed by {by} on the connection to {peer} as '{name}'"
+    )]
+    DeviceTaken {
+        device: u8,
+        by: String,
+        peer: String,
+        name: String,
+    },
+    /// Another `rdmasrc` of this process already receives that (sender, device).
+    #[error("{what} is already received by {by} on {addr}")]
+    RouteTaken {
+        what: String,
+        by: String,
+        addr: String,
+    },
+}
