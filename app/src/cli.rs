@@ -42,10 +42,14 @@ impl ConfigError {
     }
 
     /// Names the command-line flag instead of the file when the problem is with a key a flag
-    /// overrode: `overridden` pairs config keys with the flags given (`("listen", "--listen")`).
-    pub fn blame(self, overridden: &[(&str, &str)]) -> ConfigError {
-        match overridden.iter().find(|(key, _)| *key == self.key) {
-            Some((_, flag)) => ConfigError {
+    /// overrode: `flags` lists config keys, their flags and whether each was given
+    /// (`("listen", "--listen", true)`).
+    pub fn blame(self, flags: &[(&str, &str, bool)]) -> ConfigError {
+        match flags
+            .iter()
+            .find(|(key, _, given)| *given && *key == self.key)
+        {
+            Some((_, flag, _)) => ConfigError {
                 file: PathBuf::from(*flag),
                 key: String::new(),
                 reason: self.reason,
@@ -313,6 +317,49 @@ pub fn is_loopback(addr: &str) -> bool {
     }
 }
 
+/// The bad-input part of a binary's error, if that is what it is: a [`ConfigError`] directly or
+/// inside [`crate::Error::Config`]. Binaries print it as "bad config" and exit 2.
+pub fn config_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a ConfigError> {
+    e.downcast_ref::<ConfigError>()
+        .or_else(|| match e.downcast_ref::<crate::Error>() {
+            Some(crate::Error::Config(c)) => Some(c),
+            _ => None,
+        })
+}
+
+/// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the line
+/// already holds (many errors put their source into their own message).
+pub fn describe_error(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = String::new();
+    let mut next = Some(e);
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+        next = cause.source();
+    }
+    line
+}
+
+/// Ends a binary that failed: bad input (a [`ConfigError`], see [`config_error`]) is printed as
+/// "bad config" with exit code 2, anything else as its error chain on one line with exit code 1.
+pub fn exit_on_error(program: &str, e: &(dyn std::error::Error + 'static)) -> ! {
+    match config_error(e) {
+        Some(c) => {
+            eprintln!("{program}: bad config: {c}");
+            std::process::exit(2)
+        }
+        None => {
+            eprintln!("{program}: {}", describe_error(e));
+            std::process::exit(1)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -356,45 +403,14 @@ mod tests {
             "{e}"
         );
     }
-}
 
-/// The bad-input part of a binary's error, if that is what it is: a [`ConfigError`] directly or
-/// inside [`crate::Error::Config`]. Binaries print it as "bad config" and exit 2.
-pub fn config_error<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a ConfigError> {
-    e.downcast_ref::<ConfigError>()
-        .or_else(|| match e.downcast_ref::<crate::Error>() {
-            Some(crate::Error::Config(c)) => Some(c),
-            _ => None,
-        })
-}
-
-/// An error and its causes on one line, `a: b: c`, leaving out a cause whose text the line
-/// already holds (many errors put their source into their own message).
-pub fn describe_error(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut line = String::new();
-    let mut next = Some(e);
-    while let Some(cause) = next {
-        let text = cause.to_string();
-        if !line.contains(&text) {
-            if !line.is_empty() {
-                line.push_str(": ");
-            }
-            line.push_str(&text);
-        }
-        next = cause.source();
-    }
-    line
-}
-
-#[cfg(test)]
-mod describe_tests {
     #[test]
     fn a_source_already_in_the_message_is_not_repeated() {
         let e = rdmastream::Error::Listen {
             addr: "127.0.0.1:1".into(),
             source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
         };
-        let line = super::describe_error(&e);
+        let line = describe_error(&e);
         assert_eq!(line.matches("in use").count(), 1, "{line}");
     }
 }

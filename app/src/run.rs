@@ -167,16 +167,9 @@ pub fn sender(
     for s in sources {
         let _ = s.join();
     }
-    let total: u64 = counters
-        .all()
-        .iter()
-        .map(|(_, c)| rdmastream::stats::get(&c.frames))
-        .sum();
-    let drops: u64 = counters
-        .all()
-        .iter()
-        .map(|(_, c)| rdmastream::stats::get(&c.drops))
-        .sum();
+    let all = counters.all();
+    let total: u64 = all.iter().map(|(_, c)| get(&c.frames)).sum();
+    let drops: u64 = all.iter().map(|(_, c)| get(&c.drops)).sum();
     tracing::info!(
         "done after {:.1}s: {total} frames written, {drops} dropped, {} write chains, {} syncs ({} found nothing free), {} connections, {} blocks unsent",
         started.elapsed().as_secs_f64(),

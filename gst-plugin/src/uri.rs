@@ -13,6 +13,8 @@
 use gst::glib;
 use gst::prelude::*;
 
+use crate::transport::{Transport, join_host_port};
+
 /// The scheme both elements handle.
 pub const SCHEME: &str = "rdma";
 
@@ -71,15 +73,14 @@ pub fn parse(uri: &str) -> Result<RdmaUri, glib::Error> {
     })
 }
 
-/// The URI of an element aimed at (or listening on) `host:port` with the given properties.
-pub fn format(host: &str, port: u32, props: &[(&str, String)]) -> String {
-    let host = if host.contains(':') {
-        format!("[{host}]")
-    } else {
-        host.to_string()
-    };
-    let query: Vec<String> = props.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    format!("rdma://{host}:{port}?{}", query.join("&"))
+/// The URI of an element aimed at (or listening on) `host:port` for `device_id` over
+/// `transport`: what both elements' `uri()` give.
+pub fn format(host: &str, port: u32, device_id: u32, transport: Transport) -> String {
+    format!(
+        "rdma://{}?device-id={device_id}&transport={}",
+        join_host_port(host, port),
+        transport.nick()
+    )
 }
 
 /// Sets `element`'s properties from `uri`: `host_property` (`host` or `address`), `port`, and
@@ -131,8 +132,8 @@ mod tests {
         let v6 = parse("rdma://[::1]:9/").unwrap();
         assert_eq!((v6.host.as_str(), v6.port), ("::1", 9));
         assert_eq!(
-            format("::1", 9, &[("device-id", "2".into())]),
-            "rdma://[::1]:9?device-id=2"
+            format("::1", 9, 2, Transport::Tcp),
+            "rdma://[::1]:9?device-id=2&transport=tcp"
         );
         for (bad, why) in [
             ("http://x:1", "not an rdma"),

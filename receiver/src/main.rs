@@ -49,33 +49,18 @@ fn main() {
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => std::process::exit(code),
-        Err(e) => match rdmastream_app::cli::config_error(e.as_ref()) {
-            Some(c) => {
-                eprintln!("receiver: bad config: {c}");
-                std::process::exit(2);
-            }
-            None => {
-                eprintln!(
-                    "receiver: {}",
-                    rdmastream_app::cli::describe_error(e.as_ref())
-                );
-                std::process::exit(1);
-            }
-        },
+        Err(e) => rdmastream_app::cli::exit_on_error("receiver", e.as_ref()),
     }
 }
 
 fn run(cli: Cli) -> anyhow::Result<i32> {
     let (file, mut cfg): (_, ReceiverConfig) =
         load_config(cli.config.clone(), "receiver.toml", DEFAULTS)?;
-    let overridden: Vec<(&str, &str)> = [
+    let flags = [
         ("out", "--out", cli.out.is_some()),
         ("listen", "--listen", cli.listen.is_some()),
         ("transport", "--transport", cli.transport.is_some()),
-    ]
-    .into_iter()
-    .filter_map(|(key, flag, given)| given.then_some((key, flag)))
-    .collect();
+    ];
     if let Some(o) = cli.out {
         cfg.out = o;
     }
@@ -90,7 +75,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         options: opts,
         sink: mut sink_opts,
         pipelines,
-    } = cfg.validate(&file).map_err(|e| e.blame(&overridden))?;
+    } = cfg.validate(&file).map_err(|e| e.blame(&flags))?;
     sink_opts.verify = cli.verify;
     let verbs = VerbsSettings {
         device: cfg.rdma_device.clone(),

@@ -45,33 +45,18 @@ fn main() {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => {}
-        Err(e) => match rdmastream_app::cli::config_error(e.as_ref()) {
-            Some(c) => {
-                eprintln!("sender: bad config: {c}");
-                std::process::exit(2);
-            }
-            None => {
-                eprintln!(
-                    "sender: {}",
-                    rdmastream_app::cli::describe_error(e.as_ref())
-                );
-                std::process::exit(1);
-            }
-        },
+        Err(e) => rdmastream_app::cli::exit_on_error("sender", e.as_ref()),
     }
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let (file, mut cfg): (_, SenderConfig) =
         load_config(cli.config.clone(), "sender.toml", DEFAULTS)?;
-    let overridden: Vec<(&str, &str)> = [
+    let flags = [
         ("receiver", "--receiver", cli.receiver.is_some()),
         ("name", "--name", cli.name.is_some()),
         ("transport", "--transport", cli.transport.is_some()),
-    ]
-    .into_iter()
-    .filter_map(|(key, flag, given)| given.then_some((key, flag)))
-    .collect();
+    ];
     if let Some(r) = cli.receiver {
         cfg.receiver = r;
     }
@@ -81,7 +66,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(t) = cli.transport {
         cfg.transport = t;
     }
-    let devices = cfg.validate(&file).map_err(|e| e.blame(&overridden))?;
+    let devices = cfg.validate(&file).map_err(|e| e.blame(&flags))?;
     let key = load_key(&file, "", cfg.key.as_deref(), cfg.key_file.as_deref())?;
     let verbs = VerbsSettings {
         device: cfg.rdma_device.clone(),

@@ -149,10 +149,8 @@ impl URIHandlerImpl for RdmaSink {
         Some(crate::uri::format(
             &s.host,
             s.port,
-            &[
-                ("device-id", s.device_id.to_string()),
-                ("transport", s.transport.nick().to_string()),
-            ],
+            s.device_id,
+            s.transport,
         ))
     }
 

@@ -173,10 +173,8 @@ impl URIHandlerImpl for RdmaSrc {
         Some(crate::uri::format(
             &s.address,
             s.port,
-            &[
-                ("device-id", s.device_id.to_string()),
-                ("transport", s.transport.nick().to_string()),
-            ],
+            s.device_id,
+            s.transport,
         ))
     }
 
