@@ -123,6 +123,23 @@ fn error_text(msg: &gst::Message) -> String {
     }
 }
 
+/// The first message on `bus` for which `pred` holds, within [`DEADLINE`]; fails naming `what`.
+fn message_where(
+    bus: &gst::Bus,
+    what: &str,
+    mut pred: impl FnMut(&gst::Message) -> bool,
+) -> gst::Message {
+    let end = std::time::Instant::now() + DEADLINE;
+    loop {
+        if let Some(m) = bus.timed_pop(gst::ClockTime::from_mseconds(50))
+            && pred(&m)
+        {
+            return m;
+        }
+        assert!(std::time::Instant::now() < end, "no {what} on the bus");
+    }
+}
+
 const GRAY: &str = "video/x-raw,format=GRAY8,width=4,height=2,framerate=10/1";
 
 #[test]
@@ -570,23 +587,10 @@ fn a_second_sender_of_the_same_device_is_reported_not_silently_dropped() {
     assert_eq!(bytes(&rx.pull().unwrap()), vec![1; 8]);
     let mut b = sink(port, 5, GRAY, &[("sender-name", "cam-b".to_value())]);
     b.push(buffer(vec![2; 8], 0, 100)).unwrap();
-    let end = std::time::Instant::now() + DEADLINE;
-    let text = loop {
-        let msg = bus.timed_pop_filtered(
-            gst::ClockTime::from_mseconds(100),
-            &[gst::MessageType::Warning],
-        );
-        if let Some(m) = msg {
-            let text = error_text(&m);
-            if text.contains("also streams") {
-                break text;
-            }
-        }
-        assert!(
-            std::time::Instant::now() < end,
-            "no warning about the second sender"
-        );
-    };
+    let msg = message_where(&bus, "a warning about the second sender", |m| {
+        error_text(m).contains("also streams")
+    });
+    let text = error_text(&msg);
     assert!(text.contains("cam-b") && text.contains("cam-a"), "{text}");
 }
 
@@ -629,6 +633,47 @@ fn a_sink_posts_connected_and_reconnected_messages() {
     drop(rx);
     let _rx = src(port, 6, &[]);
     connected(&mut tx, &mut pts, true);
+}
+
+/// The source side of drops: under `drop-policy=drop-oldest` a source nobody pulls from drops
+/// the oldest frames of its queue, posts QoS messages for them and its stats as element
+/// messages.
+#[test]
+fn a_source_dropping_frames_posts_qos_and_stats_messages() {
+    init();
+    let port = free_port();
+    let e = src_element(
+        port,
+        7,
+        &[
+            ("max-buffers", 2u32.to_value()),
+            ("stats-interval", 100u32.to_value()),
+        ],
+    );
+    e.set_property_from_str("drop-policy", "drop-oldest");
+    let bus = bus_of(&e);
+    let _rx = src_harness(&e);
+    let mut tx = sink(port, 7, GRAY, &[]);
+    for i in 0..20 {
+        tx.push(buffer(vec![i as u8; 8], i * 100, 100)).unwrap();
+    }
+    let qos = message_where(&bus, "QoS message", |m| {
+        matches!(m.view(), gst::MessageView::Qos(_))
+    });
+    let gst::MessageView::Qos(q) = qos.view() else {
+        unreachable!()
+    };
+    let (_, dropped) = q.stats();
+    assert!(
+        matches!(dropped, gst::GenericFormattedValue::Buffers(Some(n)) if *n > 0),
+        "{dropped:?}"
+    );
+    // Stats messages keep coming; one after the drops counts them.
+    message_where(&bus, "stats message counting the drops", |m| {
+        m.structure().is_some_and(|s| {
+            s.name() == "application/x-rdmasrc-stats" && s.get::<u64>("frames-dropped").unwrap() > 0
+        })
+    });
 }
 
 /// Runs `f` on a thread and waits for it, so that a hang fails the test.

@@ -353,33 +353,37 @@ impl RdmaSrc {
         }
     }
 
-    /// Keeps the time of the last item; when nothing arrived for `timeout`, posts the
-    /// `GstRdmaSrcTimeout` element message (again after each further `timeout`).
-    fn note_activity(&self, arrived: bool) {
-        let mut state = self.state.lock().unwrap();
-        let State::Started(s) = &mut *state else {
-            return;
+    /// After each wait for an item: keeps the time of the last one and posts what is due, under
+    /// one look at the state: the `GstRdmaSrcTimeout` element message when nothing arrived for
+    /// `timeout` (again after each further `timeout`), QoS for new drops, and the stats.
+    fn after_pop(&self, route: &Route, arrived: bool) {
+        let (timeout, due) = {
+            let mut state = self.state.lock().unwrap();
+            let State::Started(s) = &mut *state else {
+                return;
+            };
+            let now = std::time::Instant::now();
+            let mut timeout = None;
+            if arrived {
+                s.last_activity = now;
+            } else if !s.timeout.is_zero() && now.duration_since(s.last_activity) >= s.timeout {
+                s.last_activity = now;
+                timeout = Some(s.timeout.as_nanos() as u64);
+            }
+            (timeout, s.reporter.check(s.frames, route.queue.dropped()))
         };
-        let now = std::time::Instant::now();
-        if arrived {
-            s.last_activity = now;
-            return;
+        if let Some(timeout) = timeout {
+            gst::debug!(CAT, imp = self, "nothing arrived for {timeout} ns");
+            let msg = gst::message::Element::builder(
+                gst::Structure::builder("GstRdmaSrcTimeout")
+                    .field("timeout", timeout)
+                    .build(),
+            )
+            .src(&*self.obj())
+            .build();
+            let _ = self.obj().post_message(msg);
         }
-        if s.timeout.is_zero() || now.duration_since(s.last_activity) < s.timeout {
-            return;
-        }
-        s.last_activity = now;
-        let timeout = s.timeout.as_nanos() as u64;
-        drop(state);
-        gst::debug!(CAT, imp = self, "nothing arrived for {timeout} ns");
-        let msg = gst::message::Element::builder(
-            gst::Structure::builder("GstRdmaSrcTimeout")
-                .field("timeout", timeout)
-                .build(),
-        )
-        .src(&*self.obj())
-        .build();
-        let _ = self.obj().post_message(msg);
+        crate::report::post(self.obj().upcast_ref(), due, None);
     }
 
     /// Posts a warning for each sender streaming this element's device-id that is ignored
@@ -900,12 +904,7 @@ impl PushSrcImpl for RdmaSrc {
             self.report_refusals();
             self.report_conflicts(&route);
             let popped = route.queue.pop(IDLE_CHECK);
-            self.note_activity(matches!(popped, Popped::Item(_)));
-            let due = match &mut *self.state.lock().unwrap() {
-                State::Started(s) => s.reporter.check(s.frames, route.queue.dropped()),
-                State::Stopped => Default::default(),
-            };
-            crate::report::post(self.obj().upcast_ref(), due, None);
+            self.after_pop(&route, matches!(popped, Popped::Item(_)));
             match popped {
                 Popped::Flushing => return Err(gst::FlowError::Flushing),
                 Popped::Timeout => self.check_sender()?,
