@@ -26,7 +26,9 @@
 //! meanwhile buffers wait (`drop-policy=block`) or the oldest queued ones are dropped
 //! (`drop-policy=drop-oldest`). With `reconnect=false` the element connects in the
 //! READY→PAUSED change and posts an error naming the receiver when that or the connection
-//! later fails. A receiver that refuses the handshake (auth token) is always an error.
+//! later fails. With `reconnect-timeout` (ms, 0 = never) a receiver unreachable for that long is
+//! an error naming it. A receiver that refuses the handshake (key) is always an error. Each
+//! connection posts a `GstRdmaSinkConnected` element message (`reconnected` after a loss).
 //!
 //! EOS: everything queued is written before the EOS message is posted, then end-of-stream
 //! follows. A sink stopped without EOS ends its device's stream as well (the receiver sees
@@ -34,6 +36,10 @@
 //!
 //! `block-size` must not exceed the receiver's (the element says so when it does); a smaller one
 //! leaves the rest of each receiver block unused.
+//!
+//! Frames dropped under `drop-policy=drop-oldest` post QoS messages; the `stats` structure is
+//! posted as an element message every `stats-interval` ms. The element handles
+//! `rdma://HOST:PORT?device-id=N&...` URIs (every query parameter is a property).
 
 use gst::glib;
 use gst::prelude::*;

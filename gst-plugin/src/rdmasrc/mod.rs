@@ -9,8 +9,9 @@
 //! Caps travel with the stream: the element sets the caps the sender sent, and changes them
 //! when the sender's change, so no capsfilter is needed. It pushes EOS when the sender ends the
 //! device's stream, answers latency queries (one frame duration plus `latency`), and keeps the
-//! sender's timestamps (`timestamp-mode=sender`, shifted once so the first buffer lands at its
-//! arrival) or stamps buffers on arrival (`timestamp-mode=arrival`).
+//! sender's timestamps (`timestamp-mode=sender`, mapped once so the first buffer lands at its
+//! arrival; a backlog keeps its spacing, and the mapping only ever moves forward, so PTS never go
+//! back) or stamps buffers on arrival (`timestamp-mode=arrival`).
 //!
 //! All `rdmasrc` elements of a process with the same `address`, `port` and `transport` share
 //! one listener: each sender that connects gets one region, and each element receives the
@@ -35,7 +36,17 @@
 //!
 //! A connection the shared listener turns away (wrong or missing `key`, wrong transport, a malformed
 //! handshake) is a warning message on every `rdmasrc` of that listener, naming the peer's address
-//! and the reason. It is not an error: the other senders keep streaming.
+//! and the reason. It is not an error: the other senders keep streaming. A second sender of the
+//! element's `device-id` (without `sender-name`) is a warning too, naming both senders: the
+//! element follows the first.
+//!
+//! ## Messages and URIs
+//!
+//! `timeout` (ns, 0 = off) posts a `GstRdmaSrcTimeout` element message each time nothing arrived
+//! for that long, as udpsrc does. Frames dropped under `drop-policy=drop-oldest` post QoS
+//! messages; the `stats` structure is posted as an element message every `stats-interval` ms.
+//! The element handles `rdma://ADDRESS:PORT?device-id=N&...` URIs (every query parameter is a
+//! property), so `playbin` and `uridecodebin` can use it.
 
 use gst::glib;
 use gst::prelude::*;
