@@ -65,13 +65,12 @@ impl Hosts {
             rx_dev: format!("rsr{tag}"),
             tx_dev: format!("rst{tag}"),
         };
-        let rx_dev = h.rx_dev.clone();
         let setup = || -> Result<(), String> {
             ip(&["netns", "add", &h.rx])?;
             ip(&["netns", "add", &h.tx])?;
             ip(&[
-                "link", "add", &rx_dev, "netns", &h.rx, "type", "veth", "peer", "name", &h.tx_dev,
-                "netns", &h.tx,
+                "link", "add", &h.rx_dev, "netns", &h.rx, "type", "veth", "peer", "name",
+                &h.tx_dev, "netns", &h.tx,
             ])?;
             ip(&[
                 "-n",
@@ -80,11 +79,11 @@ impl Hosts {
                 "add",
                 &format!("{}/24", h.rx_addr),
                 "dev",
-                &rx_dev,
+                &h.rx_dev,
             ])?;
             let tx_addr = format!("10.201.{subnet}.2/24");
             ip(&["-n", &h.tx, "addr", "add", &tx_addr, "dev", &h.tx_dev])?;
-            for (ns, dev) in [(&h.rx, &rx_dev), (&h.tx, &h.tx_dev)] {
+            for (ns, dev) in [(&h.rx, &h.rx_dev), (&h.tx, &h.tx_dev)] {
                 ip(&["-n", ns, "link", "set", dev, "up"])?;
                 ip(&["-n", ns, "link", "set", "lo", "up"])?;
             }
@@ -136,8 +135,8 @@ impl Hosts {
     /// kernel here has none: shared/NETWORK-FAULTS.md). Returns whether netem is in place;
     /// `RDMASTREAM_REQUIRE_NETEM=1` (set by scripts/test-vm.sh) makes its absence a failure.
     fn netem(&self) -> bool {
-        let mut done = Vec::new();
-        for (ns, dev) in [(&self.rx, &self.rx_dev), (&self.tx, &self.tx_dev)] {
+        let ends = [(&self.rx, &self.rx_dev), (&self.tx, &self.tx_dev)];
+        for (i, (ns, dev)) in ends.into_iter().enumerate() {
             let out = Command::new("ip")
                 .args([
                     "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root",
@@ -153,10 +152,9 @@ impl Hosts {
                     "netem is required here: tc qdisc add dev {dev} root netem: {why}"
                 );
                 eprintln!("no netem in this kernel ({why}): loss only, with nftables");
-                assert!(done.is_empty(), "netem on one end only");
+                assert!(i == 0, "netem on one end only");
                 return false;
             }
-            done.push(dev);
         }
         true
     }
