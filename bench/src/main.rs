@@ -62,32 +62,26 @@ fn main() {
     }
     // Every option takes a number; anything else is a mistake, not something to ignore (a
     // mistyped option would otherwise start a ten-minute soak).
+    let mut opts = std::collections::HashMap::new();
     for pair in args[1.min(args.len())..].chunks(2) {
         let known = ["--seconds", "--rounds", "--minutes"].contains(&pair[0].as_str());
-        let number = pair.get(1).is_some_and(|v| v.parse::<f64>().is_ok());
-        if !known || !number {
-            eprintln!("bench: bad option {:?}\n{USAGE}", pair.join(" "));
-            std::process::exit(2);
-        }
+        match pair.get(1).and_then(|v| v.parse::<f64>().ok()) {
+            Some(v) if known => opts.insert(pair[0].as_str(), v),
+            _ => {
+                eprintln!("bench: bad option {:?}\n{USAGE}", pair.join(" "));
+                std::process::exit(2);
+            }
+        };
     }
+    let opt = |name: &str, default: f64| opts.get(name).copied().unwrap_or(default);
     let what = args.first().map(String::as_str).unwrap_or("all");
-    let seconds: f64 = args
-        .iter()
-        .position(|a| a == "--seconds")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1.0);
+    let seconds = opt("--seconds", 1.0);
     match what {
         "throughput" => throughput(seconds),
         "verbs" => verbs(seconds),
         "frame-cpu" => frame_cpu(),
         "verbs-sync" => {
-            let rounds = args
-                .iter()
-                .position(|a| a == "--rounds")
-                .and_then(|i| args.get(i + 1))
-                .and_then(|r| r.parse().ok())
-                .unwrap_or(5);
+            let rounds = opt("--rounds", 5.0) as usize;
             sync_rounds(
                 &VerbsSettings {
                     device: None,
@@ -98,15 +92,7 @@ fn main() {
             )
         }
         "cameras" => cameras(seconds.max(5.0) * 2.0),
-        "soak" => {
-            let minutes = args
-                .iter()
-                .position(|a| a == "--minutes")
-                .and_then(|i| args.get(i + 1))
-                .and_then(|m| m.parse().ok())
-                .unwrap_or(10.0);
-            soak::soak(minutes)
-        }
+        "soak" => soak::soak(opt("--minutes", 10.0)),
         "all" => {
             throughput(seconds);
             cameras(10.0);
@@ -525,15 +511,10 @@ fn verbs(secs: f64) {
         port: 1,
         gid_index: None,
     };
-    match verbs::probe(&settings) {
-        Ok(what) => println!(
-            "== verbs on {what}, {secs:.1} s per point; perftest on the same device in the same run =="
-        ),
-        Err(e) => {
-            eprintln!("bench verbs: {e} (run it inside the VM: scripts/bench-vm.sh)");
-            std::process::exit(1);
-        }
-    }
+    let what = require_verbs("verbs", &settings);
+    println!(
+        "== verbs on {what}, {secs:.1} s per point; perftest on the same device in the same run =="
+    );
     println!(
         "-- throughput: our transport (sending-thread loop over pre-filled blocks, chain = data WRITE + inline status WRITE, sync READ when out of blocks) vs ib_write_bw -s <block>"
     );
@@ -589,8 +570,17 @@ fn verbs(secs: f64) {
 /// `ib_read_lat -s N`, alternating per N, `rounds` times; prints each round and the median.
 /// Single points jump under TCG (a VM exit or a timer costs tens of microseconds), so one round
 /// is not to be believed alone.
+/// The RDMA device the verbs benchmarks run on; without one, says where to run them and exits.
+fn require_verbs(bench: &str, settings: &VerbsSettings) -> String {
+    verbs::probe(settings).unwrap_or_else(|e| {
+        eprintln!("bench {bench}: {e} (run it inside the VM: scripts/bench-vm.sh)");
+        std::process::exit(1);
+    })
+}
+
 fn sync_rounds(settings: &VerbsSettings, rounds: usize) {
     const NS: [usize; 5] = [3, 8, 16, 32, 64];
+    require_verbs("verbs-sync", settings);
     println!(
         "-- sync latency: our status READ of N bytes (post + poll to completion) vs ib_read_lat -s N, {rounds} rounds"
     );
