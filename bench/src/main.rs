@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use rdmastream::engine::SourceFrame;
 use rdmastream::engine::{
-    DropPolicy, FrameSink, ReceiverHandle, ReceiverOptions, SenderHandle, SenderOptions, StreamKey,
-    post_action,
+    Driver, DropPolicy, FrameSink, ReceiverHandle, ReceiverOptions, SenderHandle, SenderOptions,
+    StreamKey,
 };
 use rdmastream::proto::handshake::{DataPath, Hello, PROTOCOL_VERSION, QpInfo};
 use rdmastream::proto::{BlockScanner, SenderMachine, status};
@@ -238,7 +238,7 @@ fn transport_rate(
     for i in 0..8 {
         m.handle_filled(i, block, rdmastream::proto::Delivery::Unconfirmed);
     }
-    let mut done = Vec::new();
+    let mut driver = Driver::new();
     let (mut t0, mut r0) = (None, 0);
     let start = Instant::now();
     let warm = start + Duration::from_millis(200);
@@ -252,18 +252,14 @@ fn transport_rate(
         if now >= end {
             break;
         }
-        while let Some(a) = m.poll_action(now) {
-            post_action(conn.as_mut(), a, block).unwrap();
-        }
-        done.clear();
-        conn.poll_completions(&mut done, Duration::from_millis(1))
+        driver
+            .turn(
+                &mut m,
+                conn.as_mut(),
+                &Instant::now,
+                Duration::from_millis(1),
+            )
             .unwrap();
-        for c in &done {
-            if !m.handle_write_completed(c.wr_id) {
-                let st = conn.read_buffer();
-                m.handle_sync_completed(Instant::now(), c.wr_id, &st);
-            }
-        }
         // "Refill" instantly: the block's bytes are already there.
         while let Some(i) = m.poll_freed() {
             m.handle_filled(i, block, rdmastream::proto::Delivery::Unconfirmed);

@@ -182,9 +182,6 @@ impl Connection for ObservedConnection {
         let r = self.inner.poll_completions(out, timeout);
         self.observe(r)
     }
-    fn read_buffer(&self) -> Vec<u8> {
-        self.inner.read_buffer()
-    }
 }
 
 impl Drop for ObservedConnection {

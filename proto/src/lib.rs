@@ -1,7 +1,9 @@
 //! rdmastream's protocol core, the status-byte-assisted mechanism of the paper (section 3) as
 //! data and decisions: the block layout (header, trailer, status bytes), the handshake and its
 //! proofs, the sender's state machine (which block, when to sync, what a completion confirms),
-//! fragmentation and reassembly, per-device reordering, and memory budgets.
+//! fragmentation and reassembly, the filling decisions ([`FillingMachine`]: numbering, format
+//! resend, returning devices), per-device reordering, the receiver's view of one sender
+//! ([`SenderSession`]: sessions, frames held until their format), and memory budgets.
 //!
 //! What it does not do: no IO, no threads, no sockets, no clock reads (time comes in as an
 //! argument), no images, no config files, no `unsafe`. Everything here is deterministic; the
@@ -10,22 +12,26 @@
 
 pub mod ack;
 pub mod budget;
+pub mod filling;
 pub mod format;
 pub mod handshake;
 pub mod header;
 pub mod packetizer;
 pub mod reorder;
 pub mod sender;
+pub mod session;
 
 pub use ack::Ack;
 pub use budget::{Budget, Reservation};
+pub use filling::{Added, FillingMachine, FramePlan, Message, PlanError};
 pub use format::Format;
 pub use header::{
     BlockError, BlockHeader, HEADER_LEN, NO_PTS, OVERHEAD, TRAILER_LEN, payload_capacity, status,
 };
 pub use packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range};
 pub use reorder::{DeviceStream, Frame, Limits, Packet, ReorderConfig, ReorderStats, StreamEvent};
-pub use sender::{Action, Delivery, RemoteLayout, SenderMachine, SenderStats};
+pub use sender::{Action, Completed, Delivery, RemoteLayout, SenderMachine, SenderStats};
+pub use session::{Connected, Released, SenderSession};
 
 /// Scans status bytes round-robin for the next full block, like the paper's receiving thread.
 #[derive(Debug, Default, Clone)]

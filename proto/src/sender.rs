@@ -59,6 +59,15 @@ pub enum Action {
     Sync { wr_id: u64 },
 }
 
+/// What a completion completes, as the transport reported it: the machine never guesses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Completed<'a> {
+    /// The write chain [`Action::Write`] `wr_id` (its block and status byte are placed).
+    WriteChain { wr_id: u64 },
+    /// The sync READ [`Action::Sync`] `wr_id`, with the status bytes it read.
+    Sync { wr_id: u64, statuses: &'a [u8] },
+}
+
 /// Counters kept by the machine, for the status line and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SenderStats {
@@ -255,6 +264,16 @@ impl SenderMachine {
             message,
             last,
         });
+    }
+
+    /// A posted action completed: a write chain (its signaled status WRITE) or the sync READ,
+    /// which carries the status bytes it read. Returns false for a completion this machine did
+    /// not post (an old connection's, or a stale id).
+    pub fn handle_completed(&mut self, now: Instant, completed: Completed<'_>) -> bool {
+        match completed {
+            Completed::WriteChain { wr_id } => self.handle_write_completed(wr_id),
+            Completed::Sync { wr_id, statuses } => self.handle_sync_completed(now, wr_id, statuses),
+        }
     }
 
     /// The signaled status WRITE of chain `wr_id` completed: the block and its status byte are

@@ -395,6 +395,7 @@ impl Connector for VerbsConnector {
             side_sent: Instant::now(),
             peer_timeout: self.peer_timeout,
             polled: vec![ibv::Completion::default(); 16],
+            read_len: 0,
         }))
     }
 }
@@ -410,6 +411,8 @@ pub struct VerbsConnection {
     send_block_size: usize,
     /// The status cache: destination of the sync READ.
     cache: MemoryRegion,
+    /// Length of the last READ posted into `cache`.
+    read_len: usize,
     side: TcpStream,
     side_checked: Instant,
     /// When the receiver's last heartbeat byte came, and this side's last went out.
@@ -420,6 +423,15 @@ pub struct VerbsConnection {
 }
 
 impl VerbsConnection {
+    /// The bytes the last READ brought into the status cache (read once its completion was
+    /// polled: the completion orders the NIC's placement before these loads).
+    fn read_cache(&self) -> Vec<u8> {
+        self.cache.atomic_bytes()[..self.read_len]
+            .iter()
+            .map(|b| b.load(Ordering::Acquire))
+            .collect()
+    }
+
     fn remote(&self, r: RemoteAddr) -> (u64, u32) {
         match r.target {
             Target::Blocks => (
@@ -506,7 +518,7 @@ impl Connection for VerbsConnection {
         // SAFETY: the send-block memory stays alive (`send_mr` is held by this connection and by
         // the sender's SendBlocks). The sending thread gives a send block back to the filling
         // thread only after the signaled completion of the chain that names it has been polled
-        // (SenderMachine frees blocks on handle_write_completed), so its bytes are not modified
+        // (SenderMachine frees blocks when it handles that write chain's completion), so its bytes are not modified
         // before then. Inline data is copied by the call.
         unsafe { self.qp.post_write_chain(&wrs) }
             .map_err(|e| self.lost(format!("posting a write chain: {e}")))?;
@@ -518,12 +530,13 @@ impl Connection for VerbsConnection {
         let (addr, rkey) = self.remote(remote);
         // SAFETY: `cache` is owned by this connection, so it outlives the READ; it is only read
         // through its atomic view, and only after this READ's completion was polled
-        // (SenderMachine waits for handle_sync_completed before using the bytes).
+        // (poll_completions copies them out of the cache into the Read completion).
         unsafe {
             self.qp
                 .post_read(wr_id, (&self.cache, 0, len), addr, rkey, true)
         }
         .map_err(|e| self.lost(format!("posting the status READ: {e}")))?;
+        self.read_len = len;
         POSTED.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -540,7 +553,13 @@ impl Connection for VerbsConnection {
                 if let ibv::WcStatus::Error { text, .. } = c.status {
                     return Err(self.lost(format!("work request {} failed: {text}", c.wr_id)));
                 }
-                out.push(Completion { wr_id: c.wr_id });
+                out.push(match c.opcode {
+                    ibv::WcOpcode::RdmaRead => Completion::Read {
+                        wr_id: c.wr_id,
+                        data: self.read_cache(),
+                    },
+                    _ => Completion::Write { wr_id: c.wr_id },
+                });
             }
             if n > 0 {
                 return Ok(());
@@ -557,13 +576,6 @@ impl Connection for VerbsConnection {
                 std::hint::spin_loop();
             }
         }
-    }
-
-    fn read_buffer(&self) -> Vec<u8> {
-        self.cache.atomic_bytes()[..self.layout.blocks]
-            .iter()
-            .map(|b| b.load(Ordering::Acquire))
-            .collect()
     }
 
     fn heartbeat(&mut self) -> Result<()> {

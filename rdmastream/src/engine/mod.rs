@@ -1,11 +1,14 @@
 //! The threads around the protocol core: the sender's filling and sending threads, and the
-//! receiver's polling threads.
+//! receiver's polling threads, and the [`Driver`] loop the sending thread shares with the
+//! benchmarks and the simulator.
 
+pub mod driver;
 pub mod receiver;
 pub mod sender;
 
+pub use driver::{Driver, Turn};
 pub use receiver::{FrameSink, ReceiverHandle, ReceiverOptions, StreamKey};
-pub use sender::{DeviceInput, DropPolicy, SenderHandle, SenderOptions, SenderReport, post_action};
+pub use sender::{DeviceInput, DropPolicy, SenderHandle, SenderOptions, SenderReport};
 
 /// One frame from a source.
 #[derive(Debug, Clone)]

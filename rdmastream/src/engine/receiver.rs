@@ -15,8 +15,8 @@ use crate::error::{Result, spawn};
 use bytes::Bytes;
 
 use crate::proto::{
-    BlockError, BlockHeader, BlockScanner, Budget, DeviceStream, HEADER_LEN, Limits, Packet,
-    ReorderConfig, StreamEvent,
+    BlockError, BlockHeader, BlockScanner, Budget, HEADER_LEN, Limits, Packet, Released,
+    ReorderConfig, SenderSession, StreamEvent,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
 use crate::transport::{Accepted, Listener, RefusalKind, Region};
@@ -85,87 +85,17 @@ impl Default for ReceiverOptions {
 }
 
 struct SenderState {
-    session: u64,
-    streams: BTreeMap<u8, DeviceStream>,
+    /// The protocol's view of this sender: session, streams, formats, ends.
+    session: SenderSession,
     connections: usize,
-    ended: std::collections::BTreeSet<u8>,
-    /// Frames of devices whose format this receiver has not seen yet (it joined mid-stream, or
-    /// blocks filled before a reconnect overtook the resent format): held until the format comes.
-    before_format: BTreeMap<u8, Vec<StreamEvent>>,
-    formats_seen: std::collections::BTreeSet<u8>,
     /// Since when no connection of this sender is up (`None` while one is).
     idle_since: Option<Instant>,
-    /// The memory share of its current connection: reassembly and copies come out of it.
-    memory: Arc<Budget>,
 }
 
 /// Senders without a connection whose numbering state is kept at most (for a reconnect in the
 /// same session); beyond that the longest idle is forgotten, so names a peer makes up cannot
 /// grow the receiver's memory.
 const MAX_IDLE_SENDERS: usize = 64;
-
-/// Frames held per device while waiting for its format; beyond that they go on without one.
-const HELD_BEFORE_FORMAT: usize = 16;
-
-impl SenderState {
-    /// Passes events on in order, except that frames before the device's first format are held
-    /// (at most [`HELD_BEFORE_FORMAT`]) and delivered right after it.
-    /// What a device's reorder stream just gave up, made ready for the sink: held back until
-    /// the device's format (see `order_after_format`), and the device marked ended when its end
-    /// of stream is among them (or not ended when it carries on). Every path that takes events
-    /// from a `DeviceStream` goes through here.
-    fn release(&mut self, device: u8, events: Vec<StreamEvent>) -> Vec<StreamEvent> {
-        let events = self.order_after_format(device, events);
-        if events
-            .iter()
-            .any(|e| matches!(e, StreamEvent::EndOfStream { .. }))
-        {
-            self.ended.insert(device);
-        } else if !events.is_empty() {
-            self.ended.remove(&device);
-        }
-        events
-    }
-
-    fn order_after_format(&mut self, device: u8, events: Vec<StreamEvent>) -> Vec<StreamEvent> {
-        let mut out = Vec::with_capacity(events.len());
-        for ev in events {
-            if self.formats_seen.contains(&device) {
-                out.push(ev);
-                continue;
-            }
-            match ev {
-                // A lossless frame is never held for a format: its block (and the sender's send
-                // block) is only freed once it is handed on, so a sender whose send blocks all
-                // hold frames resent after a reconnect could never send the format that would
-                // release them. It goes on without one (written raw, not verified).
-                StreamEvent::Frame(ref f) if f.reliable => {
-                    out.extend(self.before_format.remove(&device).unwrap_or_default());
-                    out.push(ev);
-                }
-                StreamEvent::Frame(_) => {
-                    let held = self.before_format.entry(device).or_default();
-                    held.push(ev);
-                    if held.len() >= HELD_BEFORE_FORMAT {
-                        // No format is coming: stop waiting.
-                        self.formats_seen.insert(device);
-                        out.append(held);
-                    }
-                }
-                StreamEvent::Format { .. } => {
-                    self.formats_seen.insert(device);
-                    out.push(ev);
-                    out.extend(self.before_format.remove(&device).unwrap_or_default());
-                }
-                StreamEvent::EndOfStream { .. } => {
-                    out.extend(self.before_format.remove(&device).unwrap_or_default());
-                    out.push(ev);
-                }
-            }
-        }
-        out
-    }
-}
 
 /// Counts of invalid blocks, per kind.
 #[derive(Default)]
@@ -291,13 +221,13 @@ impl ReceiverHandle {
         let mut out: Vec<_> = senders
             .iter()
             .flat_map(|(name, s)| {
-                s.streams.iter().map(move |(d, st)| {
+                s.session.stats().map(move |(device, st)| {
                     (
                         StreamKey {
                             sender: name.clone(),
-                            device: *d,
+                            device,
                         },
-                        st.stats(),
+                        st,
                     )
                 })
             })
@@ -315,7 +245,7 @@ impl ReceiverHandle {
         !senders.is_empty()
             && senders.values().all(|s| {
                 s.connections == 0
-                    && (s.streams.keys().all(|d| s.ended.contains(d))
+                    && (s.session.all_ended()
                         || s.idle_since.is_some_and(|t| t.elapsed() >= gone_after))
             })
     }
@@ -384,32 +314,24 @@ fn accept_loop(
                     let mut senders = shared.senders.lock();
                     forget_idle_senders(&mut senders, &name);
                     let state = senders.entry(name.clone()).or_insert_with(|| SenderState {
-                        session: accepted.hello.session,
-                        streams: BTreeMap::new(),
+                        session: SenderSession::new(
+                            accepted.hello.session,
+                            shared.opts.reorder,
+                            Limits {
+                                budget: accepted.memory.clone(),
+                                max_message: shared.opts.limits.max_message,
+                            },
+                        ),
                         connections: 0,
-                        ended: Default::default(),
-                        before_format: Default::default(),
-                        formats_seen: Default::default(),
                         idle_since: None,
-                        memory: accepted.memory.clone(),
                     });
-                    if state.session != accepted.hello.session {
-                        // A new sender process: its numbering starts afresh.
-                        state.session = accepted.hello.session;
-                        state.streams.clear();
-                        state.ended.clear();
-                        state.before_format.clear();
-                        state.formats_seen.clear();
-                    }
+                    // A new session starts every stream afresh; the same one restarts their
+                    // reordering (the sink recognises frames it already handed on by index).
+                    state
+                        .session
+                        .handle_connected(accepted.hello.session, accepted.memory.clone());
                     state.connections += 1;
                     state.idle_since = None;
-                    state.memory = accepted.memory.clone();
-                    for stream in state.streams.values_mut() {
-                        stream.set_budget(accepted.memory.clone());
-                        // Whatever the sender sends again starts the stream afresh; the sink
-                        // recognises frames it already handed on by their index.
-                        stream.restart();
-                    }
                 }
                 let shared = shared.clone();
                 match spawn(format!("poll-{name}"), move || {
@@ -465,9 +387,7 @@ impl Drop for ConnectionGuard {
             s.connections = s.connections.saturating_sub(1);
             if s.connections == 0 {
                 s.idle_since = Some(Instant::now());
-                for stream in s.streams.values_mut() {
-                    stream.release_memory();
-                }
+                s.session.handle_disconnected();
             }
         }
     }
@@ -585,8 +505,7 @@ fn has_room(
             .senders
             .lock()
             .get(name)
-            .and_then(|s| s.streams.get(&h.device))
-            .map_or(0, DeviceStream::assembly_bytes);
+            .map_or(0, |s| s.session.assembly_bytes(h.device));
         payload + assembling.max(payload)
     } else if h.is_reliable() || region.retained() >= zero_copy_limit {
         payload
@@ -656,68 +575,40 @@ fn deliver(shared: &Shared, key: &StreamKey, session: u64, events: Vec<StreamEve
 }
 
 fn route(shared: &Shared, name: &str, session: u64, p: Packet) {
-    let device = p.header.device;
-    let key = StreamKey {
-        sender: name.to_string(),
-        device,
-    };
-    let (events, gaps) = {
+    let released = {
         let mut senders = shared.senders.lock();
         let Some(state) = senders.get_mut(name) else {
             return;
         };
-        let limits = Limits {
-            budget: state.memory.clone(),
-            max_message: shared.opts.limits.max_message,
-        };
-        let stream = state
-            .streams
-            .entry(device)
-            .or_insert_with(|| DeviceStream::with_limits(shared.opts.reorder, limits));
-        stream.handle_packet(Instant::now(), p);
-        let events: Vec<_> = std::iter::from_fn(|| stream.poll_event()).collect();
-        let gaps = stream.stats().gap_packets;
-        (state.release(device, events), gaps)
+        state.session.handle_packet(Instant::now(), p)
     };
     // The sink may block; the sender lock is not held here.
-    publish(shared, &key, session, events, gaps);
+    publish(shared, name, session, released);
 }
 
 /// Hands a device's released events to the sink and publishes its gap count.
-fn publish(shared: &Shared, key: &StreamKey, session: u64, events: Vec<StreamEvent>, gaps: u64) {
+fn publish(shared: &Shared, name: &str, session: u64, released: Released) {
+    let key = StreamKey {
+        sender: name.to_string(),
+        device: released.device,
+    };
     shared
         .counters
-        .device(key)
+        .device(&key)
         .gaps
-        .store(gaps, Ordering::Relaxed);
-    deliver(shared, key, session, events);
+        .store(released.gap_packets, Ordering::Relaxed);
+    deliver(shared, &key, session, released.events);
 }
 
 fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
-    let mut pending = Vec::new();
-    let session;
-    {
+    let (session, released) = {
         let mut senders = shared.senders.lock();
         let Some(state) = senders.get_mut(name) else {
             return;
         };
-        session = state.session;
-        for (&device, stream) in state.streams.iter_mut() {
-            if stream.poll_timeout().is_some_and(|t| t <= now) {
-                stream.handle_timeout(now);
-                let events: Vec<_> = std::iter::from_fn(|| stream.poll_event()).collect();
-                pending.push((device, events, stream.stats().gap_packets));
-            }
-        }
-        for (device, events, _) in pending.iter_mut() {
-            *events = state.release(*device, std::mem::take(events));
-        }
-    }
-    for (device, events, gaps) in pending {
-        let key = StreamKey {
-            sender: name.to_string(),
-            device,
-        };
-        publish(shared, &key, session, events, gaps);
+        (state.session.session(), state.session.handle_timeouts(now))
+    };
+    for r in released {
+        publish(shared, name, session, r);
     }
 }

@@ -15,13 +15,11 @@ use super::SourceFrame;
 use crate::error::{Error, Result, spawn};
 use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
-    Action, Delivery, DeviceNumbering, MessageKind, MessageTimes, NO_PTS, SenderMachine,
-    SenderStats, fragment_range, status,
+    Added, Delivery, FillingMachine, Message, MessageKind, MessageTimes, NO_PTS, PlanError,
+    SenderMachine, SenderStats, fragment_range,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
-use crate::transport::{
-    Connection, Connector, RemoteAddr, SendBlocks, Target, WriteSource, WriteWr,
-};
+use crate::transport::{Connection, Connector, SendBlocks};
 
 /// What happens when a device's queue is full because the link or the receiver is slower than
 /// the source.
@@ -379,33 +377,6 @@ impl Drop for SenderHandle {
     }
 }
 
-struct DeviceState {
-    device: u8,
-    rx: Receiver<Msg>,
-    reliable: bool,
-    numbering: DeviceNumbering,
-    format: Option<Arc<str>>,
-    /// Connection drops seen when the format was last sent: after a drop the receiver may be a
-    /// new process that never saw it, so it is sent again before the next frame.
-    format_epoch: u64,
-}
-
-impl DeviceState {
-    /// A device (new, or back after its end) numbering on from `numbering`, its format not yet
-    /// sent.
-    fn new(device: u8, rx: Receiver<Msg>, reliable: bool, mut numbering: DeviceNumbering) -> Self {
-        numbering.set_reliable(reliable);
-        DeviceState {
-            device,
-            rx,
-            reliable,
-            numbering,
-            format: None,
-            format_epoch: 0,
-        }
-    }
-}
-
 fn filling_thread(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
@@ -415,11 +386,13 @@ fn filling_thread(
     first_packet: u16,
     drops: Arc<AtomicU64>,
 ) {
-    let mut devices: Vec<DeviceState> = Vec::new();
-    let mut ended: std::collections::HashMap<u8, DeviceNumbering> = Default::default();
-    let mut returning: Vec<(u8, Receiver<Msg>, bool)> = Vec::new();
-    let mut control_open = true;
     let block_size = blocks.block_size();
+    let mut machine = FillingMachine::new(block_size, blocks.count(), first_packet);
+    // The queues of streaming devices, and of devices waiting for their number's stream to end.
+    let mut queues: Vec<(u8, Receiver<Msg>)> = Vec::new();
+    let mut waiting: Vec<(u8, Receiver<Msg>)> = Vec::new();
+    let mut control_open = true;
+    let mut drops_seen = 0;
     // Takes a free send block; gives up only on abort.
     let take_free = || loop {
         match free.recv_timeout(Duration::from_millis(50)) {
@@ -428,38 +401,27 @@ fn filling_thread(
             Err(_) => return None,
         }
     };
-    let fill = |dev: &mut DeviceState,
-                kind: MessageKind,
-                index: Option<u64>,
-                payload: &[u8],
-                times: MessageTimes|
-     -> bool {
-        let Some(headers) =
-            dev.numbering
-                .plan(dev.device, kind, index, payload.len(), block_size, times)
-        else {
-            tracing::error!(
-                device = dev.device,
-                len = payload.len(),
-                "message too large for 65535 blocks; dropped"
-            );
-            return true;
+    // Copies one planned message into send blocks and hands them to the sending thread.
+    let fill = |msg: Result<Message, PlanError>, payload: &[u8], timestamp_ns: u64| -> bool {
+        let msg = match msg {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!("{e}; dropped");
+                return true;
+            }
         };
-        let count = headers.len();
-        // A lossless message is kept whole in the send blocks until the receiver confirms it;
-        // one that needs all of them could never be completed. It is still sent, but only as
-        // reliably as a live device's (raise send_blocks or block_size to protect it).
-        let reliable = dev.reliable && count < blocks.count();
-        if dev.reliable && !reliable {
+        if msg.downgraded {
             crate::warn_limited!(
                 "message-over-send-blocks",
-                "device {}: a {}-byte frame needs {count} send blocks, but the sender has {}: it is not kept for resending after a receiver crash (raise send_blocks or block_size)",
-                dev.device,
+                "device {}: a {}-byte frame needs {} send blocks, but the sender has {}: it is not kept for resending after a receiver crash (raise send_blocks or block_size)",
+                msg.device,
                 payload.len(),
+                msg.headers.len(),
                 blocks.count()
             );
         }
-        for (k, h) in headers.into_iter().enumerate() {
+        let count = msg.headers.len();
+        for (k, h) in msg.headers.into_iter().enumerate() {
             let Some(i) = take_free() else { return false };
             let range = fragment_range(k, payload.len(), block_size);
             let len = blocks.fill(i, |b| {
@@ -467,14 +429,14 @@ fn filling_thread(
                 h.seal(b);
                 used
             });
-            let frame_end = (kind == MessageKind::Frame && k + 1 == count)
-                .then_some((payload.len(), times.timestamp_ns));
+            let frame_end = (msg.kind == MessageKind::Frame && k + 1 == count)
+                .then_some((payload.len(), timestamp_ns));
             if filled
                 .send(ToSending::Block(Filled {
                     index: i,
                     len,
-                    device: dev.device,
-                    reliable,
+                    device: msg.device,
+                    reliable: msg.reliable,
                     last: k + 1 == count,
                     frame_end,
                 }))
@@ -489,14 +451,13 @@ fn filling_thread(
         if abort.load(Ordering::Acquire) {
             return;
         }
-        if !control_open && devices.is_empty() {
+        if !control_open && queues.is_empty() {
             let _ = filled.send(ToSending::Done);
             return;
         }
         let mut sel = Select::new();
         let control_op = control_open.then(|| sel.recv(&control));
-        let receivers: Vec<Receiver<Msg>> = devices.iter().map(|d| d.rx.clone()).collect();
-        for rx in &receivers {
+        for (_, rx) in &queues {
             sel.recv(rx);
         }
         let Ok(op) = sel.select_timeout(Duration::from_millis(50)) else {
@@ -505,75 +466,54 @@ fn filling_thread(
         let index = op.index();
         if Some(index) == control_op {
             match op.recv(&control) {
-                // The same device number coming back before its previous stream's end was
-                // filled: start it once that end is through, so numbering carries on.
-                Ok(Control::Device(device, rx, reliable))
-                    if devices.iter().any(|d| d.device == device) =>
-                {
-                    returning.push((device, rx, reliable));
-                }
                 Ok(Control::Device(device, rx, reliable)) => {
-                    // A device that ended and comes back carries on numbering, so the receiver
-                    // does not take its new packets for duplicates.
-                    let numbering = ended
-                        .remove(&device)
-                        .unwrap_or_else(|| DeviceNumbering::starting_at(first_packet, 0));
-                    devices.push(DeviceState::new(device, rx, reliable, numbering))
+                    match machine.add_device(device, reliable) {
+                        Added::Streaming => queues.push((device, rx)),
+                        Added::Waiting => waiting.push((device, rx)),
+                    }
                 }
                 Err(_) => control_open = false,
             }
             continue;
         }
         let pos = index - control_op.map_or(0, |_| 1);
-        let msg = op.recv(&receivers[pos]).unwrap_or(Msg::End);
-        let dev = &mut devices[pos];
+        let msg = op.recv(&queues[pos].1).unwrap_or(Msg::End);
+        let device = queues[pos].0;
+        // After a connection drop the receiver may be a new process: formats go out again.
+        let now_drops = drops.load(Ordering::Acquire);
+        if now_drops != drops_seen {
+            drops_seen = now_drops;
+            machine.handle_disconnected();
+        }
         let ok = match msg {
             Msg::Frame(f) => {
-                let mut ok = true;
-                let epoch = drops.load(Ordering::Acquire);
-                if dev.format.as_deref() != Some(&*f.format) || dev.format_epoch != epoch {
-                    dev.format_epoch = epoch;
-                    ok = fill(
-                        dev,
-                        MessageKind::Format,
-                        Some(f.index),
-                        f.format.as_bytes(),
-                        MessageTimes::at(f.timestamp_ns),
-                    );
-                    dev.format = Some(f.format.clone());
+                let times = MessageTimes {
+                    timestamp_ns: f.timestamp_ns,
+                    duration_ns: f.duration_ns,
+                    pts_ns: f.pts_ns.unwrap_or(NO_PTS),
+                };
+                match machine.frame(device, &f.format, f.index, f.data.len(), times) {
+                    Ok(plan) => {
+                        plan.format
+                            .is_none_or(|m| fill(Ok(m), f.format.as_bytes(), f.timestamp_ns))
+                            && fill(plan.frame, &f.data, f.timestamp_ns)
+                    }
+                    Err(e) => fill(Err(e), &[], 0),
                 }
-                ok && fill(
-                    dev,
-                    MessageKind::Frame,
-                    Some(f.index),
-                    &f.data,
-                    MessageTimes {
-                        timestamp_ns: f.timestamp_ns,
-                        duration_ns: f.duration_ns,
-                        pts_ns: f.pts_ns.unwrap_or(NO_PTS),
-                    },
-                )
             }
             Msg::End => {
-                let next = dev.numbering.next_frame();
-                let ok = fill(
-                    dev,
-                    MessageKind::EndOfStream,
-                    Some(next),
-                    &[],
-                    MessageTimes::at(unix_now_ns()),
-                );
-                let gone = devices.remove(pos);
-                match returning.iter().position(|(d, _, _)| *d == gone.device) {
-                    Some(k) => {
-                        let (device, rx, reliable) = returning.remove(k);
-                        devices.push(DeviceState::new(device, rx, reliable, gone.numbering));
+                queues.remove(pos);
+                match machine.end(device, unix_now_ns()) {
+                    Ok((end, resumed)) => {
+                        if resumed.is_some()
+                            && let Some(k) = waiting.iter().position(|(d, _)| *d == device)
+                        {
+                            queues.push(waiting.remove(k));
+                        }
+                        fill(Ok(end), &[], 0)
                     }
-                    None => {
-                        ended.insert(gone.device, gone.numbering);
-                    }
+                    Err(e) => fill(Err(e), &[], 0),
                 }
-                ok
             }
         };
         if !ok {
@@ -621,54 +561,6 @@ impl Sending {
     }
 }
 
-/// Posts one action of the [`SenderMachine`] on `conn`: a write chain (data WRITE unsignaled,
-/// then the status byte 1 inline and signaled) or the sync READ of the whole status array.
-/// `block_size` is the receiver's (remote offsets are `remote_block × block_size`).
-pub fn post_action(conn: &mut dyn Connection, action: Action, block_size: usize) -> Result<()> {
-    match action {
-        Action::Write {
-            wr_id,
-            send_block,
-            remote_block,
-            len,
-        } => {
-            let chain = [
-                WriteWr {
-                    source: WriteSource::SendBlock {
-                        index: send_block,
-                        len,
-                    },
-                    remote: RemoteAddr {
-                        target: Target::Blocks,
-                        offset: (remote_block * block_size) as u64,
-                    },
-                    signaled: false,
-                },
-                WriteWr {
-                    source: WriteSource::Inline(&[status::FULL]),
-                    remote: RemoteAddr {
-                        target: Target::Statuses,
-                        offset: remote_block as u64,
-                    },
-                    signaled: true,
-                },
-            ];
-            conn.post_write_chain(wr_id, &chain)
-        }
-        Action::Sync { wr_id } => {
-            let n = conn.layout().blocks;
-            conn.post_read(
-                wr_id,
-                RemoteAddr {
-                    target: Target::Statuses,
-                    offset: 0,
-                },
-                n,
-            )
-        }
-    }
-}
-
 struct SendingThread {
     opts: SenderOptions,
     connector: Box<dyn Connector>,
@@ -696,7 +588,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
     let mut next_attempt = Instant::now();
     let mut last_error = String::new();
     let mut done = false;
-    let mut completions = Vec::new();
+    let mut driver = super::Driver::new();
     loop {
         *t.live.lock() = s.machine.stats();
         if t.abort.load(Ordering::Acquire) {
@@ -773,36 +665,27 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
             }
             continue;
         };
-        // Remote blocks are the receiver's size, which may exceed our send blocks.
-        let remote_block_size = c.layout().block_size;
         // A receiver (or link) that died without a word is noticed within the peer timeout.
-        let mut result = c.heartbeat();
-        while result.is_ok()
-            && let Some(action) = s.machine.poll_action(now)
-        {
-            result = post_action(c.as_mut(), action, remote_block_size);
-        }
-        if result.is_ok() && done && s.machine.is_idle() {
-            tracing::info!(
-                peer = c.peer(),
-                "all devices ended and every block is written; closing"
-            );
-            break;
-        }
-        if result.is_ok() {
-            if s.machine.outstanding() > 0 || s.machine.sync_in_flight() {
-                completions.clear();
-                result = c.poll_completions(&mut completions, Duration::from_millis(1));
-                let now = Instant::now();
-                for comp in &completions {
-                    if !s.machine.handle_write_completed(comp.wr_id) {
-                        let statuses = c.read_buffer();
-                        s.machine.handle_sync_completed(now, comp.wr_id, &statuses);
-                    }
+        let turn = c.heartbeat().and_then(|()| {
+            driver.turn(
+                &mut s.machine,
+                c.as_mut(),
+                &Instant::now,
+                Duration::from_millis(1),
+            )
+        });
+        s.release_freed();
+        let result = match turn {
+            Ok(turn) if !turn.in_flight => {
+                if done && s.machine.is_idle() {
+                    tracing::info!(
+                        peer = c.peer(),
+                        "all devices ended and every block is written; closing"
+                    );
+                    break;
                 }
-                s.release_freed();
-            } else {
                 // Nothing in flight: wait for the filling thread or the sync backoff timer.
+                let now = Instant::now();
                 let wait = s
                     .machine
                     .poll_timeout()
@@ -815,8 +698,11 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                     Err(RecvTimeoutError::Disconnected) if !done => done = true,
                     Err(_) => {}
                 }
+                Ok(())
             }
-        }
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        };
         if let Err(e) = result {
             tracing::warn!("{e}; reconnecting");
             conn = None;

@@ -146,7 +146,6 @@ impl Connector for MemConnector {
             peer,
             region,
             blocks: blocks.clone(),
-            read_buffer: Vec::new(),
             done: VecDeque::new(),
         }))
     }
@@ -157,7 +156,6 @@ pub struct MemConnection {
     peer: String,
     region: Arc<SoftRegion>,
     blocks: Arc<SendBlocks>,
-    read_buffer: Vec<u8>,
     done: VecDeque<Completion>,
 }
 
@@ -213,23 +211,20 @@ impl Connection for MemConnection {
             signaled |= wr.signaled;
         }
         if signaled {
-            self.done.push_back(Completion { wr_id });
+            self.done.push_back(Completion::Write { wr_id });
         }
         Ok(())
     }
     fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()> {
-        self.read_buffer = self
+        let data = self
             .region
             .read_remote(remote.target, remote.offset, len)
             .map_err(|e| self.access_error(e))?;
-        self.done.push_back(Completion { wr_id });
+        self.done.push_back(Completion::Read { wr_id, data });
         Ok(())
     }
     fn poll_completions(&mut self, out: &mut Vec<Completion>, _timeout: Duration) -> Result<()> {
         out.extend(self.done.drain(..));
         Ok(())
-    }
-    fn read_buffer(&self) -> Vec<u8> {
-        self.read_buffer.clone()
     }
 }

@@ -64,10 +64,33 @@ pub struct WriteWr<'a> {
     pub signaled: bool,
 }
 
-/// A completion polled from a connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Completion {
-    pub wr_id: u64,
+/// A completion polled from a connection: what it completes, and for a READ the bytes it read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Completion {
+    /// The signaled WRITE of chain `wr_id` (every earlier request of the chain is done too).
+    Write { wr_id: u64 },
+    /// The READ `wr_id`, with the bytes it brought in.
+    Read { wr_id: u64, data: Vec<u8> },
+}
+
+impl Completion {
+    /// The id the work request was posted with.
+    pub fn wr_id(&self) -> u64 {
+        match self {
+            Completion::Write { wr_id } | Completion::Read { wr_id, .. } => *wr_id,
+        }
+    }
+
+    /// As the protocol core takes it: a write chain or a sync with its status bytes.
+    pub fn completed(&self) -> crate::proto::Completed<'_> {
+        match self {
+            Completion::Write { wr_id } => crate::proto::Completed::WriteChain { wr_id: *wr_id },
+            Completion::Read { wr_id, data } => crate::proto::Completed::Sync {
+                wr_id: *wr_id,
+                statuses: data,
+            },
+        }
+    }
 }
 
 /// The sender's end of one reliable connection (the one shared queue pair).
@@ -78,14 +101,11 @@ pub trait Connection: Send {
     fn layout(&self) -> RemoteLayout;
     /// Posts a chain of WRITEs as one work-request list. Only signaled ones complete.
     fn post_write_chain(&mut self, wr_id: u64, chain: &[WriteWr<'_>]) -> Result<()>;
-    /// Posts one READ of `len` bytes at `remote` into this connection's read buffer; the bytes
-    /// are valid in [`Connection::read_buffer`] once its completion was polled.
+    /// Posts one READ of `len` bytes at `remote`; its [`Completion::Read`] carries the bytes.
     fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()>;
     /// Waits up to `timeout` for completions and appends them to `out`. An error means the
     /// connection is gone; posted work without a completion may or may not have happened.
     fn poll_completions(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<()>;
-    /// The local memory READs land in.
-    fn read_buffer(&self) -> Vec<u8>;
     /// Keeps the connection's liveness check going; called by the sending thread every time
     /// round its loop. Sends a heartbeat when one is due, and fails when the receiver has not
     /// been heard from for the peer timeout (a dead machine or link, a half-open connection).

@@ -482,26 +482,14 @@ impl Connector for TcpConnector {
         // Bounded: a receiver that floods acknowledgements is read no faster than the sending
         // thread takes them.
         let (tx, rx) = crossbeam_channel::bounded(COMPLETION_QUEUE);
-        let read_buffer = Arc::new(Mutex::new(Vec::new()));
         let expected_read = Arc::new(AtomicUsize::new(NO_READ));
         let reader = stream.try_clone().map_err(connect_err)?;
         let started = Instant::now();
         let heard = Arc::new(AtomicU64::new(0));
-        let (buf, expected, reader_peer, reader_heard) = (
-            read_buffer.clone(),
-            expected_read.clone(),
-            peer.clone(),
-            heard.clone(),
-        );
+        let (expected, reader_peer, reader_heard) =
+            (expected_read.clone(), peer.clone(), heard.clone());
         spawn(format!("tcp-completions-{peer}"), move || {
-            completion_reader(
-                reader,
-                reader_peer,
-                tx,
-                buf,
-                expected,
-                (started, reader_heard),
-            )
+            completion_reader(reader, reader_peer, tx, expected, (started, reader_heard))
         })?;
         // A write that cannot get out for a whole peer timeout (the link is down, the receiver
         // stopped reading) fails the connection instead of blocking the sending thread, so a
@@ -519,7 +507,6 @@ impl Connector for TcpConnector {
             pending: Vec::with_capacity(2 * SMALL_WRITE),
             blocks: blocks.clone(),
             completions: rx,
-            read_buffer,
             expected_read,
             started,
             heard,
@@ -546,7 +533,6 @@ fn completion_reader(
     stream: TcpStream,
     peer: String,
     tx: Sender<Event>,
-    read_buffer: Arc<Mutex<Vec<u8>>>,
     expected_read: Arc<AtomicUsize>,
     (started, heard): (Instant, Arc<AtomicU64>),
 ) {
@@ -585,7 +571,16 @@ fn completion_reader(
                 if let Err(e) = r.read_exact(&mut data) {
                     return fail(&tx, format!("reading READ response: {e}"));
                 }
-                *read_buffer.lock() = data;
+                if tx
+                    .send(Event::Done(Completion::Read {
+                        wr_id: h.wr_id,
+                        data,
+                    }))
+                    .is_err()
+                {
+                    return;
+                }
+                continue;
             }
             OP_ERROR => {
                 let mut text = vec![0u8; (h.len as usize).min(4096)];
@@ -605,7 +600,10 @@ fn completion_reader(
                 );
             }
         }
-        if tx.send(Event::Done(Completion { wr_id: h.wr_id })).is_err() {
+        if tx
+            .send(Event::Done(Completion::Write { wr_id: h.wr_id }))
+            .is_err()
+        {
             return;
         }
     }
@@ -620,7 +618,6 @@ pub struct TcpConnection {
     pending: Vec<u8>,
     blocks: Arc<SendBlocks>,
     completions: Receiver<Event>,
-    read_buffer: Arc<Mutex<Vec<u8>>>,
     /// Length of the READ outstanding (`NO_READ`: none), for the completion reader's check.
     expected_read: Arc<AtomicUsize>,
     /// When the receiver was last heard from (ms since `started`), and when the last
@@ -757,9 +754,6 @@ impl Connection for TcpConnection {
             self.handle(ev, out)?;
         }
         Ok(())
-    }
-    fn read_buffer(&self) -> Vec<u8> {
-        self.read_buffer.lock().clone()
     }
 
     fn heartbeat(&mut self) -> Result<()> {
