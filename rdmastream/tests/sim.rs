@@ -3,16 +3,10 @@
 
 use std::time::Duration;
 
-use rdmastream::sim::{Retention, SimConfig, SimDevice, SimPolicy, SimReport, payload, run};
+use rdmastream::sim::{Pair, Retention, SimConfig, SimDevice, SimPolicy, SimReport, payload, run};
 
 fn dev(id: u8, frame_len: usize, frames: u64, interval_us: u64) -> SimDevice {
-    SimDevice {
-        id,
-        frame_len,
-        frames,
-        interval: Duration::from_micros(interval_us),
-        first_packet: 0,
-    }
+    SimDevice::new(id, frame_len, frames, Duration::from_micros(interval_us))
 }
 
 const LIMIT: Duration = Duration::from_secs(30);
@@ -105,12 +99,10 @@ fn retained_blocks_are_skipped_without_stalling() {
 
 #[test]
 fn packet_numbers_wrap_past_65535_in_order() {
-    let mut d0 = dev(0, 700, 300, 10); // 3 blocks per frame
-    d0.first_packet = 65000;
-    let mut d1 = dev(1, 50, 300, 10);
-    d1.first_packet = 65500;
+    // Both devices wrap: device 0 after ~79 frames of 3 blocks, device 1 after ~235 frames.
     let cfg = SimConfig {
-        devices: vec![d0, d1],
+        first_packet: 65300,
+        devices: vec![dev(0, 700, 300, 10), dev(1, 50, 300, 10)],
         ..Default::default()
     };
     let r = run(&cfg, LIMIT);
@@ -250,4 +242,162 @@ fn sync_is_not_overtaken_by_slow_writes() {
     };
     let r = run(&cfg, LIMIT);
     assert_complete(&cfg, &r);
+}
+
+#[test]
+fn formats_go_ahead_of_their_frames_across_changes_and_reconnects() {
+    let mut d0 = dev(0, 300, 300, 10);
+    d0.format_every = 40;
+    let mut d1 = dev(1, 40, 300, 10);
+    d1.format_every = 7;
+    let cfg = SimConfig {
+        remote_blocks: 6,
+        send_blocks: 5,
+        max_outstanding: 3,
+        disconnects: (1..12).map(|k| Duration::from_micros(k * 811)).collect(),
+        devices: vec![d0, d1],
+        ..Default::default()
+    };
+    let r = run(&cfg, LIMIT);
+    assert_complete(&cfg, &r);
+    for ((device, index, _), format) in r.delivered.iter().zip(&r.formats) {
+        let d = cfg.devices.iter().find(|d| d.id == *device).unwrap();
+        assert_eq!(
+            format.as_deref(),
+            Some(d.format_of(*index).as_str()),
+            "device {device} frame {index} was handed on under the wrong format"
+        );
+    }
+}
+
+#[test]
+fn a_returning_device_number_carries_on_after_its_previous_stream() {
+    let first = dev(3, 100, 40, 10);
+    // Added while the first stream still streams: waits for its end.
+    let mut second = dev(3, 100, 30, 10);
+    second.start = Duration::from_micros(100);
+    // Added long after the second ended.
+    let mut third = dev(3, 100, 20, 10);
+    third.start = Duration::from_millis(50);
+    let cfg = SimConfig {
+        devices: vec![first, second, third, dev(4, 50, 100, 10)],
+        ..Default::default()
+    };
+    let r = run(&cfg, LIMIT);
+    let got: Vec<u64> = r
+        .delivered
+        .iter()
+        .filter(|(d, _, _)| *d == 3)
+        .map(|(_, f, _)| *f)
+        .collect();
+    let want: Vec<u64> = (0..40).chain(0..30).chain(0..20).collect();
+    assert_eq!(got, want, "three streams, one after the other");
+    assert_eq!(r.ended.iter().filter(|&&d| d == 3).count(), 3);
+    assert_eq!(r.ended.iter().filter(|&&d| d == 4).count(), 1);
+    assert_eq!(
+        (r.duplicates, r.gap_packets),
+        (0, 0),
+        "numbering carried on: nothing taken for a duplicate, nothing missing"
+    );
+}
+
+#[test]
+fn a_corrupted_block_is_rejected_and_its_packet_given_up_at_the_reorder_timeout() {
+    let timeout = Duration::from_millis(5);
+    let cfg = SimConfig {
+        // Write 0 is device 0's format, write k its frame k-1: frame 9 arrives corrupted.
+        corrupt_writes: vec![10],
+        policy: SimPolicy::DropOldest,
+        queue_depth: 1000,
+        reorder: rdmastream::proto::ReorderConfig {
+            window: 64,
+            timeout,
+        },
+        devices: vec![dev(0, 100, 40, 10)],
+        ..Default::default()
+    };
+    let mut pair = Pair::new(&cfg);
+    let mut rejected_by = None;
+    let mut next_at = None;
+    while pair.step() {
+        let r = pair.report();
+        if r.invalid == 1 && rejected_by.is_none() {
+            rejected_by = Some(pair.now());
+        }
+        if next_at.is_none() && r.delivered.iter().any(|(_, f, _)| *f == 10) {
+            next_at = Some(pair.now());
+        }
+        if pair.is_done() {
+            break;
+        }
+    }
+    let r = pair.into_report();
+    let indices: Vec<u64> = r.delivered.iter().map(|(_, f, _)| *f).collect();
+    let want: Vec<u64> = (0..40).filter(|&f| f != 9).collect();
+    assert_eq!(indices, want);
+    assert_eq!((r.invalid, r.gap_packets), (1, 1));
+    let waited = next_at.unwrap() - rejected_by.unwrap();
+    assert!(
+        waited >= timeout && waited < timeout * 2,
+        "frame 10 waited {waited:?} for the missing packet (timeout {timeout:?})"
+    );
+}
+
+#[test]
+fn live_devices_across_drops_lose_at_most_what_was_in_flight_and_never_reorder() {
+    let cfg = SimConfig {
+        remote_blocks: 6,
+        send_blocks: 5,
+        max_outstanding: 3,
+        write_latency: Duration::from_micros(30),
+        ack_latency: Duration::from_micros(30),
+        policy: SimPolicy::DropOldest,
+        queue_depth: 8,
+        disconnects: (1..20).map(|k| Duration::from_micros(k * 997)).collect(),
+        devices: vec![dev(0, 300, 400, 10), dev(9, 40, 400, 10)],
+        ..Default::default()
+    };
+    let r = run(&cfg, LIMIT);
+    for d in &cfg.devices {
+        let got: Vec<&(u8, u64, Vec<u8>)> = r
+            .delivered
+            .iter()
+            .filter(|(id, _, _)| *id == d.id)
+            .collect();
+        assert!(
+            got.windows(2).all(|w| w[0].1 < w[1].1),
+            "device {}: handed on out of order or twice",
+            d.id
+        );
+        for (_, f, data) in got {
+            assert_eq!(data, &payload(d.id, *f, d.frame_len));
+        }
+        assert!(r.ended.contains(&d.id));
+    }
+    let lost = 800 - r.delivered.len() as u64 - r.dropped;
+    assert!(
+        lost <= 19 * 3,
+        "{lost} frames lost in 19 drops with 3 chains in flight"
+    );
+}
+
+#[test]
+fn a_pair_steps_one_event_at_a_time_and_stops_when_done() {
+    let cfg = SimConfig {
+        devices: vec![dev(0, 10, 3, 10)],
+        ..Default::default()
+    };
+    let mut pair = Pair::new(&cfg);
+    assert_eq!(pair.now(), Duration::ZERO);
+    let mut steps = 0;
+    let mut last = Duration::ZERO;
+    while !pair.is_done() {
+        assert!(pair.step(), "events remain until the stream is delivered");
+        assert!(pair.now() >= last, "time never goes back");
+        last = pair.now();
+        steps += 1;
+    }
+    assert!(steps > 3);
+    assert_eq!(pair.report().delivered.len(), 3);
+    assert_eq!(pair.report().ended, vec![0]);
 }

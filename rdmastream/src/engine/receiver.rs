@@ -325,11 +325,12 @@ fn accept_loop(
                         connections: 0,
                         idle_since: None,
                     });
-                    // A new session starts every stream afresh; the same one restarts their
-                    // reordering (the sink recognises frames it already handed on by index).
-                    state
-                        .session
-                        .handle_connected(accepted.hello.session, accepted.memory.clone());
+                    // A new session starts every stream afresh; the same one carries on.
+                    state.session.handle_connected(
+                        Instant::now(),
+                        accepted.hello.session,
+                        accepted.memory.clone(),
+                    );
                     state.connections += 1;
                     state.idle_since = None;
                 }
