@@ -150,7 +150,18 @@ impl Scenario {
             tail(&rx_log)
         );
         let pid = rx.id();
-        std::thread::sleep(Duration::from_millis(200));
+        // The idle baseline is taken once the receiver's threads and memory stopped changing
+        // (the same over 20 samples 5 ms apart).
+        let (mut last, mut same) = ((0, 0), 0);
+        assert!(
+            wait_for(Duration::from_secs(10), || {
+                let now = (hostile::rss_bytes(pid) >> 16, hostile::threads(pid));
+                same = if now == last { same + 1 } else { 0 };
+                last = now;
+                same >= 20
+            }),
+            "the idle receiver's memory or threads kept changing"
+        );
         let (idle_rss, idle_threads) = (hostile::rss_bytes(pid), hostile::threads(pid));
         let peak = Peak::watch(pid);
         let tx_cfg = write(
