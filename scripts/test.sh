@@ -15,6 +15,8 @@ trap 'rm -f "$log"' EXIT
 # run, not skip.
 if [ "$(id -u)" = 0 ]; then export RDMASTREAM_REQUIRE_NETNS=1; fi
 cargo test --workspace --release 2>&1 | tee "$log"
+# The element Harness tests again over the in-process `mem` transport (no sockets at all).
+RDMASTREAM_TEST_TRANSPORT=mem cargo test --release -p gst-plugin-rdma --test harness 2>&1 | tee -a "$log"
 if [ -z "${RDMASTREAM_SKIP_VM:-}" ]; then
   scripts/test-vm.sh 2>&1 | tee -a "$log"
 fi

@@ -32,6 +32,12 @@ pub enum Transport {
         nick = "tcp"
     )]
     Tcp = 2,
+    /// In-process: an `rdmasink` and an `rdmasrc` of the same process, joined in memory.
+    #[enum_value(
+        name = "Mem: in-process, a sink and a source of the same process (tests)",
+        nick = "mem"
+    )]
+    Mem = 3,
 }
 
 impl Transport {
@@ -41,6 +47,7 @@ impl Transport {
             Transport::Auto => "auto",
             Transport::Verbs => "verbs",
             Transport::Tcp => "tcp",
+            Transport::Mem => "mem",
         }
     }
 }
@@ -82,6 +89,9 @@ pub fn connector(
     verbs: &VerbsSettings,
     max_outstanding: usize,
 ) -> Result<Box<dyn Connector>, crate::Error> {
+    if transport == Transport::Mem {
+        return Ok(Box::new(fabric().connector(peer)));
+    }
     verbs::connector(
         transport.nick(),
         peer,
@@ -108,6 +118,9 @@ pub fn listener(
     settings: RegionSettings,
     verbs: &VerbsSettings,
 ) -> Result<Box<dyn Listener>, crate::Error> {
+    if transport == Transport::Mem {
+        return Ok(Box::new(fabric().listen(addr, settings)));
+    }
     let deadline = Instant::now() + Duration::from_secs(1);
     loop {
         match verbs::listener(transport.nick(), addr, settings.clone(), verbs) {
@@ -125,6 +138,13 @@ pub fn listener(
             }
         }
     }
+}
+
+/// The process's in-memory fabric: `transport=mem` elements meet on it by address.
+fn fabric() -> &'static rdmastream::transport::mem::MemFabric {
+    static FABRIC: std::sync::LazyLock<rdmastream::transport::mem::MemFabric> =
+        std::sync::LazyLock::new(Default::default);
+    &FABRIC
 }
 
 /// `host:port`, with IPv6 literals bracketed.

@@ -1,5 +1,6 @@
 //! `rdmasink` and `rdmasrc` driven through `gst_check::Harness` (and small pipelines for the
-//! state-change cases), in one process over the tcp transport on loopback.
+//! state-change cases), in one process: over the tcp transport on loopback, or over `mem` (in
+//! memory, no sockets) or `verbs` as `RDMASTREAM_TEST_TRANSPORT` says.
 
 mod common;
 

@@ -19,6 +19,7 @@ pub fn wait_for(what: &str, cond: impl FnMut() -> bool) {
 }
 
 /// The transport the element tests run over: `RDMASTREAM_TEST_TRANSPORT` (`tcp` unless set;
+/// `mem` for the in-process transport, which scripts/test.sh runs the Harness tests over too;
 /// `verbs` in the Soft-RoCE VM).
 pub fn transport() -> String {
     std::env::var("RDMASTREAM_TEST_TRANSPORT").unwrap_or_else(|_| "tcp".into())

@@ -10,14 +10,15 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use super::{
-    Accepted, Completion, Connection, Connector, Listener, Region, RegionSettings, RemoteAddr,
-    SendBlocks, SoftRegion, WriteSource, WriteWr,
+    Accepted, Completion, Connection, Connector, Listener, Refusal, RefusalKind, Region,
+    RegionSettings, RemoteAddr, SendBlocks, SoftRegion, WriteSource, WriteWr,
 };
 use crate::error::{Error, Result};
 use crate::proto::RemoteLayout;
 use crate::proto::handshake::{Hello, Key};
 
-type Endpoints = HashMap<String, (RegionSettings, Sender<Accepted>)>;
+type Refusals = Arc<Mutex<Vec<Refusal>>>;
+type Endpoints = HashMap<String, (RegionSettings, Sender<Accepted>, Refusals)>;
 
 /// Named in-process endpoints that senders can connect to.
 #[derive(Clone, Default)]
@@ -34,12 +35,14 @@ impl MemFabric {
     /// A listener reachable as `name`, offering `settings` to each sender.
     pub fn listen(&self, name: &str, settings: RegionSettings) -> MemListener {
         let (tx, rx) = crossbeam_channel::unbounded();
+        let refusals = Refusals::default();
         self.listeners
             .lock()
-            .insert(name.to_string(), (settings, tx));
+            .insert(name.to_string(), (settings, tx, refusals.clone()));
         MemListener {
             name: name.to_string(),
             rx,
+            refusals,
         }
     }
 
@@ -56,6 +59,8 @@ impl MemFabric {
 pub struct MemListener {
     name: String,
     rx: Receiver<Accepted>,
+    /// Connections the fabric refused on this listener's behalf (kept at most MAX_REFUSALS).
+    refusals: Refusals,
 }
 
 impl Listener for MemListener {
@@ -67,6 +72,9 @@ impl Listener for MemListener {
     }
     fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
         Ok(self.rx.recv_timeout(timeout).ok())
+    }
+    fn refusals(&mut self) -> Vec<Refusal> {
+        std::mem::take(&mut *self.refusals.lock())
     }
 }
 
@@ -90,7 +98,7 @@ impl Connector for MemConnector {
         blocks: &Arc<SendBlocks>,
     ) -> Result<Box<dyn Connection>> {
         let peer = self.peer();
-        let (settings, tx) = self
+        let (settings, tx, refusals) = self
             .fabric
             .listeners
             .lock()
@@ -102,9 +110,21 @@ impl Connector for MemConnector {
             })?;
         // In one process the keys can be compared directly; the rules are the other
         // transports': a keyed receiver needs the sender's key, a keyed sender a keyed receiver.
-        let refused = |reason: String| Error::Refused {
-            peer: peer.clone(),
-            reason,
+        // Each refusal is also kept for the listener, as the network transports keep theirs.
+        let refused_as = |kind: RefusalKind, reason: String| {
+            let mut kept = refusals.lock();
+            if kept.len() >= super::MAX_REFUSALS {
+                kept.remove(0);
+            }
+            kept.push(Refusal {
+                peer: peer.clone(),
+                why: reason.clone(),
+                kind,
+            });
+            Error::Refused {
+                peer: peer.clone(),
+                reason,
+            }
         };
         let keys = settings.access.keys();
         match (keys.is_anonymous(), key) {
@@ -117,17 +137,19 @@ impl Connector for MemConnector {
             }
             (false, k) if k.is_some() && k == keys.key_for(&hello.sender) => {}
             (false, _) => {
-                return Err(refused(format!(
-                    "sender '{}': authentication failed",
-                    hello.sender
-                )));
+                return Err(refused_as(
+                    RefusalKind::Authentication,
+                    format!("sender '{}': authentication failed", hello.sender),
+                ));
             }
         }
         let lease = settings
             .access
             .admit(hello, &peer)
-            .map_err(|(_, why)| refused(why))?;
-        let memory = settings.reserve_region().map_err(|(_, why)| refused(why))?;
+            .map_err(|(kind, why)| refused_as(kind, why))?;
+        let memory = settings
+            .reserve_region()
+            .map_err(|(kind, why)| refused_as(kind, why))?;
         let region = SoftRegion::with_reservation(&settings, Some(memory.region));
         let dyn_region: Arc<dyn Region> = region.clone();
         lease.attach(&dyn_region);
