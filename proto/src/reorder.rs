@@ -157,9 +157,6 @@ pub struct DeviceStream {
     assembly: Option<Assembly>,
     /// A message was already counted as lost: skip its remaining fragments silently.
     discarding: bool,
-    /// First packet of the message given up when the sender's connection went: a restart
-    /// waits for it again.
-    rewind_to: Option<u16>,
     events: VecDeque<StreamEvent>,
     stats: ReorderStats,
 }
@@ -185,7 +182,6 @@ impl DeviceStream {
             stalled_since: None,
             assembly: None,
             discarding: false,
-            rewind_to: None,
             events: VecDeque::new(),
             stats: ReorderStats::default(),
         }
@@ -318,32 +314,27 @@ impl DeviceStream {
         self.assembly.as_ref().map_or(0, |a| a.reservation.bytes())
     }
 
-    /// A new connection of the same sender at `now`: it sends again, from the first block of
-    /// the oldest message the receiver did not confirm, what the old connection may have lost.
-    /// Packets held in order are kept (they are not sent again); a message that was half
-    /// reassembled when the old connection went (given up by [`Self::release_memory`]) is
-    /// waited for again from its first packet, so its fragments sent again are taken rather
-    /// than counted as duplicates. Resent packets behind that are duplicates, as they are.
-    pub fn restart(&mut self, now: Instant) {
+    /// A new connection of the same sender: it sends again, from the first block of the oldest
+    /// message the receiver did not confirm, what the old connection may have lost. Starts the
+    /// stream afresh at what comes (as a receiver that joins mid-stream does); whatever was held
+    /// is given up (counted as partial) and its memory given back — held packets keep memory of
+    /// the old connection's share, which the new one needs — and frames that arrive twice are
+    /// recognised by their frame index downstream. A lossless device loses nothing by this: its
+    /// held packets' blocks were not freed, so the sender sends them again.
+    pub fn restart(&mut self) {
         self.release_memory();
-        if let (Some(first), Some(expected)) = (self.rewind_to.take(), self.expected) {
-            let back = expected.wrapping_sub(first);
-            if back < 0x8000 {
-                for _ in 0..back {
-                    self.slots.push_front(None);
-                }
-                self.expected = Some(first);
-                self.discarding = false;
-            }
-        }
-        self.update_stall(now);
+        self.expected = None;
+        self.slots.clear();
+        self.settling.clear();
+        self.settling_since = None;
+        self.stalled_since = None;
+        self.discarding = false;
     }
 
     /// The sender is gone: frees a half-reassembled message (counted as partial) and the held
     /// packets' memory. Numbering is kept, so a resent packet is still known as a duplicate.
     pub fn release_memory(&mut self) {
-        if let Some(a) = self.assembly.take() {
-            self.rewind_to = Some(a.first.packet);
+        if self.assembly.take().is_some() {
             self.stats.partial_messages += 1;
             self.discarding = true;
         }

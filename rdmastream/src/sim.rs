@@ -11,6 +11,9 @@
 //! gives the packet up at its reorder timeout); change formats; and bring a device number back
 //! after (or while) its previous stream ends.
 //!
+//! The receiver side ends in a sink that, like the engine's, recognises a frame it already
+//! wrote by its index.
+//!
 //! It checks the mechanism's safety property on every placement — a block is only ever written
 //! while its receiver status byte is 0 — and records everything the receiver delivered, with
 //! the format it had for each frame, so tests can check order, completeness and contents.
@@ -20,8 +23,11 @@ use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
+
 use crate::engine::Driver;
 use crate::error::Result;
+use crate::proto::ack::{Ack, Settle};
 use crate::proto::{
     Added, BlockHeader, Budget, Delivery, FillingMachine, Limits, Message, MessageTimes, Packet,
     RemoteLayout, ReorderConfig, SenderMachine, SenderSession, StreamEvent, fragment_range, status,
@@ -159,6 +165,9 @@ pub struct SimReport {
     pub reordered: u64,
     /// Blocks the receiver rejected as invalid (and freed).
     pub invalid: u64,
+    /// Frames the stream handed on again after a reconnect, recognised by index and not
+    /// written twice.
+    pub redelivered: u64,
     /// Largest number of frames queued at one source.
     pub max_queue: usize,
     pub finished_at: Duration,
@@ -281,6 +290,19 @@ impl Connection for SimConnection {
     }
 }
 
+/// Frees a lossless message's last block once the sink handed the message on.
+struct SimSettle {
+    region: u64,
+    block: usize,
+    settled: Arc<Mutex<Vec<(u64, usize)>>>,
+}
+
+impl Settle for SimSettle {
+    fn settle(&self) {
+        self.settled.lock().push((self.region, self.block));
+    }
+}
+
 /// One sender and one receiver, stepped through simulated time.
 pub struct Pair {
     cfg: SimConfig,
@@ -299,6 +321,10 @@ pub struct Pair {
     cursor: usize,
     session: SenderSession,
     formats: BTreeMap<u8, String>,
+    /// Blocks (region, index) whose lossless message was handed on, to free.
+    settled: Arc<Mutex<Vec<(u64, usize)>>>,
+    /// Frame indices the sink wrote, per device, in its current stream.
+    written: BTreeMap<u8, std::collections::BTreeSet<u64>>,
     retained_now: Vec<usize>,
     timeout_at: Option<Duration>,
     // Sender.
@@ -348,6 +374,8 @@ impl Pair {
             cursor: 0,
             session: SenderSession::new(0, cfg.reorder, Limits::default()),
             formats: BTreeMap::new(),
+            written: BTreeMap::new(),
+            settled: Default::default(),
             retained_now: Vec::new(),
             timeout_at: None,
             filling: FillingMachine::new(cfg.block_size, cfg.send_blocks, cfg.first_packet),
@@ -372,8 +400,7 @@ impl Pair {
             ended_sources: 0,
             cfg,
         };
-        let t0 = pair.t0;
-        pair.session.handle_connected(t0, 0, Budget::unlimited());
+        pair.session.handle_connected(0, Budget::unlimited());
         for i in 0..n {
             let start = pair.cfg.devices[i].start;
             pair.push(start, Ev::Start(i));
@@ -537,12 +564,13 @@ impl Pair {
                 self.busy = false;
                 if region == self.region_id {
                     let bytes = std::mem::take(&mut self.remote[block]);
-                    self.deliver(&bytes);
-                    self.statuses[block] = if self.retained_now.contains(&block) {
+                    let held = self.deliver(region, block, &bytes);
+                    self.statuses[block] = if held || self.retained_now.contains(&block) {
                         status::RETAINED
                     } else {
                         status::EMPTY
                     };
+                    self.free_settled();
                 }
                 self.push(now, Ev::Poll);
             }
@@ -552,6 +580,7 @@ impl Pair {
                 for r in released {
                     self.record(r.device, r.events);
                 }
+                self.free_settled();
                 self.schedule_reorder_timeout();
             }
             Ev::RetainStart(j) => {
@@ -633,31 +662,67 @@ impl Pair {
     }
 
     /// The receiver validates one block and hands its packet to the sender's session.
-    fn deliver(&mut self, bytes: &[u8]) {
+    /// The receiver validates block `block` of region `region` and hands its packet to the
+    /// sender's session. Returns whether the block stays unavailable until its message is
+    /// handed on (the last block of a lossless message carries an [`Ack`]).
+    fn deliver(&mut self, region: u64, block: usize, bytes: &[u8]) -> bool {
         let Ok((h, p)) = BlockHeader::decode_block(bytes, 255) else {
             self.report.invalid += 1;
-            return;
+            return false;
         };
+        let held = h.is_reliable() && h.is_last_fragment();
         let packet = Packet {
             header: h,
             payload: bytes::Bytes::copy_from_slice(p),
-            ack: None,
+            ack: held.then(|| {
+                Ack::new(Arc::new(SimSettle {
+                    region,
+                    block,
+                    settled: self.settled.clone(),
+                }))
+            }),
         };
         let r = self.session.handle_packet(self.at(self.now), packet);
         self.record(r.device, r.events);
         self.schedule_reorder_timeout();
+        held
     }
 
+    /// Blocks whose message was handed on go back to the sender (status 0).
+    fn free_settled(&mut self) {
+        for (region, block) in std::mem::take(&mut *self.settled.lock()) {
+            if region == self.region_id && self.statuses[block] == status::RETAINED {
+                self.statuses[block] = if self.retained_now.contains(&block) {
+                    status::RETAINED
+                } else {
+                    status::EMPTY
+                };
+            }
+        }
+    }
+
+    /// The sink: writes what a device's stream handed on, and settles each acknowledgement once
+    /// its message is written (or recognised as written already).
     fn record(&mut self, device: u8, events: Vec<StreamEvent>) {
         for e in events {
+            crate::proto::ack::settle(e.ack());
             match e {
                 StreamEvent::Frame(f) => {
+                    // The sink recognises a frame it already wrote by its index (a reconnect
+                    // restarts the stream at what the sender sends again), as the engine's do.
+                    if !self.written.entry(device).or_default().insert(f.index) {
+                        self.report.redelivered += 1;
+                        continue;
+                    }
                     self.report
                         .delivered
                         .push((f.device, f.index, f.data.to_vec()));
                     self.report.formats.push(self.formats.get(&device).cloned());
                 }
-                StreamEvent::EndOfStream { .. } => self.report.ended.push(device),
+                StreamEvent::EndOfStream { .. } => {
+                    self.written.remove(&device);
+                    self.report.ended.push(device)
+                }
                 StreamEvent::Format { descriptor, .. } => {
                     self.formats
                         .insert(device, String::from_utf8_lossy(&descriptor).into_owned());
@@ -686,7 +751,8 @@ impl Pair {
             let j = (self.cursor + k) % n;
             if self.statuses[j] == status::FULL {
                 let bytes = std::mem::take(&mut self.remote[j]);
-                self.deliver(&bytes);
+                let region = self.region_id;
+                self.deliver(region, j, &bytes);
             }
         }
         self.busy = false;
@@ -701,9 +767,7 @@ impl Pair {
             self.statuses[j] = status::RETAINED;
         }
         let session = self.session.session();
-        let now = self.at(self.now);
-        self.session
-            .handle_connected(now, session, Budget::unlimited());
+        self.session.handle_connected(session, Budget::unlimited());
         self.machine.handle_connected(self.conn.layout);
     }
 

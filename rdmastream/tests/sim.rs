@@ -221,8 +221,9 @@ fn dropped_connections_resend_in_flight_work_without_duplicates() {
     let r = run(&cfg, LIMIT);
     assert_complete(&cfg, &r);
     assert!(
-        r.duplicates > 0,
-        "some chains were placed but not acknowledged before a drop"
+        r.redelivered > 0,
+        "some messages were handed on but not yet confirmed at a drop: sent again, recognised by \
+         index and not written twice"
     );
 }
 
@@ -344,7 +345,7 @@ fn a_corrupted_block_is_rejected_and_its_packet_given_up_at_the_reorder_timeout(
 }
 
 #[test]
-fn live_devices_across_drops_lose_at_most_what_was_in_flight_and_never_reorder() {
+fn live_devices_across_drops_lose_at_most_what_was_held_and_never_reorder() {
     let cfg = SimConfig {
         remote_blocks: 6,
         send_blocks: 5,
@@ -372,13 +373,17 @@ fn live_devices_across_drops_lose_at_most_what_was_in_flight_and_never_reorder()
         for (_, f, data) in got {
             assert_eq!(data, &payload(d.id, *f, d.frame_len));
         }
-        assert!(r.ended.contains(&d.id));
     }
+    // A reconnect restarts each stream: a live device loses what the receiver held in its reorder
+    // buffer (at most a window) and what was in flight. Its end of stream can be among them (it
+    // is not sent again), so it is not asserted here; block devices lose nothing (above).
     let lost = 800 - r.delivered.len() as u64 - r.dropped;
+    let window = cfg.reorder.window as u64;
     assert!(
-        lost <= 19 * 3,
-        "{lost} frames lost in 19 drops with 3 chains in flight"
+        lost <= 19 * (window + cfg.max_outstanding as u64),
+        "{lost} frames lost in 19 drops"
     );
+    assert!(lost > 0, "the drops cost a live device something ({lost})");
 }
 
 #[test]

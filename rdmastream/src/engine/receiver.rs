@@ -326,11 +326,9 @@ fn accept_loop(
                         idle_since: None,
                     });
                     // A new session starts every stream afresh; the same one carries on.
-                    state.session.handle_connected(
-                        Instant::now(),
-                        accepted.hello.session,
-                        accepted.memory.clone(),
-                    );
+                    state
+                        .session
+                        .handle_connected(accepted.hello.session, accepted.memory.clone());
                     state.connections += 1;
                     state.idle_since = None;
                 }
