@@ -684,6 +684,11 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                     );
                     break;
                 }
+                if turn.posted > 0 || turn.completed > 0 {
+                    // Completions may have made the next action ready (a sync for
+                    // confirmations, a write into a block just freed): go round at once.
+                    continue;
+                }
                 // Nothing in flight: wait for the filling thread or the sync backoff timer.
                 let now = Instant::now();
                 let wait = s
