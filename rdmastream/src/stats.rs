@@ -329,7 +329,10 @@ mod tests {
             one.record(Duration::from_micros(us));
             let b: Vec<_> = one.buckets().collect();
             let d = Duration::from_micros(us);
-            assert!(b.len() == 1 && b[0].0 <= d && d < b[0].1 && b[0].2 == 1, "{us}: {b:?}");
+            assert!(
+                b.len() == 1 && b[0].0 <= d && d < b[0].1 && b[0].2 == 1,
+                "{us}: {b:?}"
+            );
         }
         assert_eq!(h.buckets().map(|b| b.2).sum::<u64>(), 10_000);
     }
