@@ -103,6 +103,19 @@ fn metrics_agree_with_the_receivers_summary() {
         tail(&rx_log)
     );
     let s = scrape(&rx_metrics);
+    // SIGUSR1: the per-device table, at the next status line.
+    let signalled = std::process::Command::new("kill")
+        .args(["-USR1", &rx.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    assert!(
+        wait_for(Duration::from_secs(60), || std::fs::read_to_string(&rx_log)
+            .unwrap_or_default()
+            .contains("devices:\ndevice ")),
+        "no table after SIGUSR1:\n{}",
+        tail(&rx_log)
+    );
     // Ctrl-C: the receiver stops and prints its summary.
     let interrupted = std::process::Command::new("kill")
         .args(["-INT", &rx.id().to_string()])
@@ -170,6 +183,15 @@ fn metrics_agree_with_the_receivers_summary() {
             text.contains("devices:\ndevice "),
             "no table:\n{}",
             tail(log)
+        );
+    }
+    // The receiver printed the table twice: on SIGUSR1 and at the end.
+    assert_eq!(rx_text.matches("devices:\ndevice ").count(), 2, "{rx_text}");
+    // The sender's table has a row per device.
+    for device in ["d000", "d001", "d005", "d100"] {
+        assert!(
+            tx_text.contains(&format!("\n{device} ")),
+            "{device}:\n{tx_text}"
         );
     }
 }
