@@ -10,6 +10,9 @@
 //! | `GET /` | receiver: the status page (`status_page.html`: inline CSS and JS, no external assets) |
 //! | `GET /thumb/<sender>/<device>.png` | receiver: the device's newest thumbnail ([`crate::thumbs`]) |
 //!
+//! [`HttpServer::start_metrics`] serves only `/metrics` (and 200 probes) from a function: the
+//! GStreamer elements' `metrics` property uses it.
+//!
 //! One thread answers, with `tiny_http` reading requests; every answer is computed from the
 //! [`Monitor`] and the thumbnail store, never from the engine, so a slow client cannot slow
 //! frames down. Stopped (and joined) when the [`HttpServer`] is dropped.
