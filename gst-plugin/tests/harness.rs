@@ -808,7 +808,15 @@ fn element_metric(s: &prometheus_parse::Scrape, name: &str, factory: &str) -> Op
 fn elements_serve_their_stats_as_prometheus_metrics() {
     init();
     let port = free_port();
-    let addr = format!("127.0.0.1:{}", free_port());
+    // Below the kernel's ephemeral range: the other tests of this process get their ports from
+    // it (free_port) and bind them a moment later, and must never find this one taken.
+    let metrics_port = (20000..32000u16)
+        .cycle()
+        .skip(std::process::id() as usize % 12000)
+        .take(12000)
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port below 32000");
+    let addr = format!("127.0.0.1:{metrics_port}");
     let metrics = [("metrics", addr.to_value())];
     let mut rx = src(port, 7, &metrics);
     let mut tx = sink(port, 7, GRAY, &metrics);
