@@ -43,7 +43,7 @@ fn metrics_agree_with_the_receivers_summary() {
         "--metrics",
         &rx_metrics,
     ];
-    let mut rx = spawn(&bin("receiver"), &rx_args, &rx_log);
+    let mut rx = KillOnDrop(spawn(&bin("receiver"), &rx_args, &rx_log));
     assert!(
         wait_for(Duration::from_secs(60), || http_get(&rx_metrics, "/readyz")
             .is_some_and(|(code, _)| code == 200)),
@@ -51,7 +51,7 @@ fn metrics_agree_with_the_receivers_summary() {
         tail(&rx_log)
     );
     assert_eq!(http_get(&rx_metrics, "/healthz").unwrap().0, 200);
-    let mut tx = spawn(
+    let mut tx = KillOnDrop(spawn(
         &bin("sender"),
         &[
             "--config",
@@ -60,7 +60,7 @@ fn metrics_agree_with_the_receivers_summary() {
             &tx_metrics,
         ],
         &tx_log,
-    );
+    ));
     // The sender streams for at least 5 s (its sources' frame counts at their rates), connected
     // all that time.
     assert!(

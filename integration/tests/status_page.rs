@@ -125,7 +125,7 @@ fn the_status_page_shows_live_thumbnails_in_a_real_browser() {
     let tx_cfg = sender_config(tmp.path(), &it, "sender.toml", "edge-page", port, devices);
     let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
     let listen = it.addr(port);
-    let mut rx = spawn(
+    let mut rx = KillOnDrop(spawn(
         &bin("receiver"),
         &[
             "--config",
@@ -139,12 +139,12 @@ fn the_status_page_shows_live_thumbnails_in_a_real_browser() {
             &http,
         ],
         &rx_log,
-    );
-    let mut tx = spawn(
+    ));
+    let mut tx = KillOnDrop(spawn(
         &bin("sender"),
         &["--config", tx_cfg.to_str().unwrap()],
         &tx_log,
-    );
+    ));
     // Every device has a thumbnail before the browser comes.
     assert!(
         wait_for(Duration::from_secs(120), || {

@@ -284,3 +284,28 @@ pub fn receiver_total(log: &Path, label: &str) -> u64 {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no number before {label:?} in {line}"))
 }
+
+/// A child process that is killed when dropped, so a failing test leaves nothing running
+/// (a receiver writing into the test's removed temporary directory would retry for ever).
+pub struct KillOnDrop(pub std::process::Child);
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // Already exited: both fail harmlessly.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
