@@ -16,6 +16,8 @@ packages=(
   gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad
   # integration/tests/netfaults.rs: network namespaces (ip) and packet loss (nft).
   iproute2 nftables
+  # integration/tests/status_page.rs: the receiver's status page in headless Chromium.
+  chromium
 )
 missing=()
 for p in "${packages[@]}"; do
