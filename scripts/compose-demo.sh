@@ -62,7 +62,7 @@ if [ "$engine" = podman ]; then
   if ! podman image exists docker.io/library/debian:bookworm; then
     # The machine's own Debian mirror (deb822 sources, or a classic sources.list line).
     mirror="${DEBIAN_MIRROR:-$( (sed -n 's/^URIs: *\([^ ]*debian\)\/* *$/\1/p' /etc/apt/sources.list.d/*.sources
-      sed -n 's/^deb \(\[[^]]*\] \)\?\([^ ]*debian\)\/* bookworm main.*/\2/p' /etc/apt/sources.list) 2>/dev/null | head -1)}"
+      sed -n 's/^deb \(\[[^]]*\] \)\?\([^ ]*debian\)\/* bookworm main.*/\2/p' /etc/apt/sources.list) 2>/dev/null | head -1 || true)}"
     [ -n "$mirror" ] || fail "no Debian mirror found in /etc/apt/sources.list*; set DEBIAN_MIRROR"
     rootfs="$(mktemp -d /var/tmp/rdmastream-rootfs.XXXXXX)"
     trap 'rm -rf "$rootfs"' EXIT
@@ -134,7 +134,8 @@ while [ $SECONDS -lt "$deadline" ]; do
       name="${path//\//_}"
       curl -fsS -m 5 "http://127.0.0.1:8080$path" -o "$logs/http$name.out" 2>"$logs/http$name.err" || ok=0
     done
-    if [ $ok = 1 ] && grep -q '^rdmastream_' "$logs/http_metrics.out" && grep -q 'edge-2' "$logs/http_.out"; then
+    if [ $ok = 1 ] && [ -s "$logs/http_.out" ] && grep -q '^rdmastream_' "$logs/http_metrics.out" \
+      && grep -q 'edge-1' "$logs/http_metrics.out" && grep -q 'edge-2' "$logs/http_metrics.out"; then
       page_ok=1
       step "status page, /metrics, /healthz and /readyz answered on 127.0.0.1:8080"
     fi
