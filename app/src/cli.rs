@@ -1,7 +1,8 @@
 //! Small pieces both binaries need: loading a TOML config with errors that name the file and
-//! key, logging set-up, and the once-per-second status line.
+//! key, logging set-up, the status-line clock and the SIGUSR1 request for the per-device table.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -165,6 +166,19 @@ pub fn every(interval: Duration, stop: &AtomicBool, mut tick: impl FnMut(Duratio
             (next.saturating_duration_since(Instant::now())).min(Duration::from_millis(20)),
         );
     }
+}
+
+/// A flag that SIGUSR1 sets: the binaries print their per-device table when they find it set
+/// (and clear it).
+pub fn table_requests() -> Result<Arc<AtomicBool>, crate::Error> {
+    let flag = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGUSR1, flag.clone()).map_err(|source| {
+        crate::Error::Io {
+            what: "installing the SIGUSR1 handler".into(),
+            source,
+        }
+    })?;
+    Ok(flag)
 }
 
 /// A byte count in a config file: an integer, or a string with a unit (`"64 MiB"`, `"8 GiB"`,

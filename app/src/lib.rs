@@ -10,6 +10,9 @@
 //!   status-line clock, error lines.
 //! - [`gst`] (feature `gstreamer`): GStreamer pipelines as sources and sinks of the binaries.
 //! - [`run`]: what a binary does between a valid config and its exit code.
+//! - [`monitor`], [`metrics`], [`http`], [`thumbs`], [`watch`]: what a running binary tells
+//!   about itself: the short status line and the per-device table, Prometheus metrics, health
+//!   and readiness, and the receiver's live status page with thumbnails (`--metrics ADDR`).
 //! - [`Error`]: this crate's one error type.
 //!
 //! What it does not do: no protocol decisions (`rdmastream-proto`), no threads that move blocks
@@ -21,8 +24,13 @@ pub mod config;
 pub mod error;
 #[cfg(feature = "gstreamer")]
 pub mod gst;
+pub mod http;
+pub mod metrics;
+pub mod monitor;
 pub mod run;
 pub mod sink;
 pub mod source;
+pub mod thumbs;
+pub mod watch;
 
 pub use error::Error;

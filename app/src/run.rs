@@ -6,16 +6,87 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use rdmastream::engine::{ReceiverHandle, SenderHandle, SenderOptions, StreamKey};
+use rdmastream::engine::{FrameSink, ReceiverHandle, SenderHandle, SenderOptions, StreamKey};
+use rdmastream::proto::Budget;
 use rdmastream::proto::handshake::Key;
-use rdmastream::stats::{StatusLine, get};
+use rdmastream::stats::get;
 use rdmastream::transport::Connector;
 
 use crate::Error;
 use crate::cli::{ByteSize, ConfigError, every};
 use crate::config::{Device, SenderConfig, Source};
+use crate::http::HttpServer;
+use crate::monitor::{Engine, Monitor, ReceiverEngine, Role, SenderEngine};
 use crate::sink::DirectorySink;
 use crate::source::Producer;
+use crate::thumbs::{ThumbnailTap, Thumbnails};
+use crate::watch::{LinkWatch, watched};
+
+/// What watches a running binary: its [`Monitor`] (status line, table), the SIGUSR1 request
+/// for the table, and with `--metrics` the HTTP server (and on a receiver the thumbnails).
+pub struct Observer {
+    pub monitor: Arc<Monitor>,
+    /// Receiver with `--metrics`: the thumbnails the status page shows.
+    pub thumbs: Option<Arc<Thumbnails>>,
+    /// What `/readyz` reports (sender: connected; receiver: listening).
+    ready: Arc<AtomicBool>,
+    table: Arc<AtomicBool>,
+    http: Option<HttpServer>,
+}
+
+impl Observer {
+    /// Starts watching: `metrics` (`--metrics` / `metrics`) starts the HTTP server at once,
+    /// so an address in use fails before anything streams.
+    pub fn start(
+        role: Role,
+        metrics: Option<&str>,
+        status_interval: f64,
+    ) -> Result<Observer, Error> {
+        let ready = Arc::new(AtomicBool::new(false));
+        let monitor = Monitor::new(
+            role,
+            Duration::from_secs_f64(status_interval),
+            ready.clone(),
+        );
+        let thumbs = (role == Role::Receiver && metrics.is_some()).then(Thumbnails::new);
+        let http = match metrics {
+            Some(addr) => Some(HttpServer::start(addr, monitor.clone(), thumbs.clone())?),
+            None => None,
+        };
+        Ok(Observer {
+            monitor,
+            thumbs,
+            ready,
+            table: crate::cli::table_requests()?,
+            http,
+        })
+    }
+
+    /// Where the HTTP server listens, if there is one.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.http.as_ref().map(HttpServer::local_addr)
+    }
+
+    /// The receiver's sink with the thumbnail tap in front (when there is a status page).
+    pub fn tap(&self, sink: Arc<dyn FrameSink>) -> Arc<dyn FrameSink> {
+        match &self.thumbs {
+            Some(t) => Arc::new(ThumbnailTap::new(sink, t.clone())),
+            None => sink,
+        }
+    }
+
+    /// Logs the short status line, and the table when SIGUSR1 asked for it.
+    fn report(&self) {
+        tracing::info!("status: {}", self.monitor.status_line());
+        if self.table.swap(false, Ordering::AcqRel) {
+            self.log_table();
+        }
+    }
+
+    fn log_table(&self) {
+        tracing::info!("devices:\n{}", self.monitor.table().trim_end());
+    }
+}
 
 /// A device's source, ready to run on its thread.
 enum Runner {
@@ -27,7 +98,9 @@ enum Runner {
 /// Runs a sender: builds every device's source (a source that cannot be built is a
 /// [`ConfigError`] naming the device), streams through `connector` until the sources end,
 /// `duration` seconds pass or `stop` is set (Ctrl-C), then delivers what is left within the
-/// shutdown grace period and logs the summary. `Err(Error::Undelivered)` when frames were left.
+/// shutdown grace period and logs the per-device table and the summary; a short status line
+/// every `status_interval`, the table on SIGUSR1, metrics with `metrics`.
+/// `Err(Error::Undelivered)` when frames were left.
 pub fn sender(
     cfg: &SenderConfig,
     file: &Path,
@@ -58,6 +131,12 @@ pub fn sender(
         };
         producers.push((d, p));
     }
+    let observer = Observer::start(Role::Sender, cfg.metrics.as_deref(), cfg.status_interval)?;
+    let link = Arc::new(LinkWatch {
+        connected: observer.ready.clone(),
+        ..Default::default()
+    });
+    let connector = watched(connector, link.clone());
     let opts = SenderOptions {
         name: cfg.name.clone(),
         key,
@@ -105,18 +184,33 @@ pub fn sender(
     let started = Instant::now();
     let deadline = duration.map(|s| started + Duration::from_secs_f64(s.max(0.0)));
     let counters = sender.counters();
-    let mut line = StatusLine::<u8>::default();
+    let name = cfg.name.clone();
+    let tick = |sender: &SenderHandle, elapsed: Duration| {
+        let devices = counters
+            .all()
+            .into_iter()
+            .map(|(device, c)| {
+                let key = StreamKey {
+                    sender: name.clone(),
+                    device,
+                };
+                (key, c)
+            })
+            .collect();
+        let engine = SenderEngine {
+            machine: sender.machine_stats(),
+            connections: link.connections.load(Ordering::Relaxed),
+        };
+        observer
+            .monitor
+            .tick(devices, Engine::Sender(engine), elapsed);
+    };
     every(
         Duration::from_secs_f64(cfg.status_interval),
         &stop,
         |elapsed| {
-            let m = sender.machine_stats();
-            tracing::info!(
-                "status: {} | syncs {} retained-skipped {}",
-                line.render(&counters, elapsed),
-                m.syncs,
-                m.retained_skipped
-            );
+            tick(&sender, elapsed);
+            observer.report();
             if sender.is_finished() {
                 return false;
             }
@@ -151,6 +245,8 @@ pub fn sender(
             break;
         }
         if told.elapsed() >= Duration::from_secs_f64(cfg.status_interval) {
+            // Still ticking: /healthz stays 200 while what is left is delivered.
+            tick(&sender, told.elapsed());
             told = Instant::now();
             tracing::info!(
                 "stopping: delivering what is left{}",
@@ -163,6 +259,8 @@ pub fn sender(
         std::thread::sleep(Duration::from_millis(20));
     }
     stop.store(true, Ordering::Release);
+    tick(&sender, told.elapsed());
+    observer.monitor.finish();
     let report = sender.finish(Duration::ZERO)?;
     for s in sources {
         let _ = s.join();
@@ -170,12 +268,14 @@ pub fn sender(
     let all = counters.all();
     let total: u64 = all.iter().map(|(_, c)| get(&c.frames)).sum();
     let drops: u64 = all.iter().map(|(_, c)| get(&c.drops)).sum();
+    observer.log_table();
     tracing::info!(
-        "done after {:.1}s: {total} frames written, {drops} dropped, {} write chains, {} syncs ({} found nothing free), {} connections, {} blocks unsent",
+        "done after {:.1}s: {total} frames written, {drops} dropped, {} write chains, {} syncs ({} found nothing free, retained-skipped {}), {} connections, {} blocks unsent",
         started.elapsed().as_secs_f64(),
         report.machine.writes,
         report.machine.syncs,
         report.machine.empty_syncs,
+        report.machine.retained_skipped,
         report.connections,
         report.unsent
     );
@@ -190,31 +290,84 @@ pub fn sender(
     Ok(())
 }
 
-/// Runs a started receiver: a status line every `status_interval` until `stop` is set (Ctrl-C)
-/// or, with `exit_after_eos`, every sender that connected has ended its streams; then stops it,
-/// logs the summary and returns the exit code: 4 when frames of lossless devices are missing
-/// from the output, 3 when `verify` found a frame that differs from its reference, else 0.
-/// `posted_work_requests` is the transport's count (0 for a receiver, by the mechanism).
-pub fn receiver(
-    receiver: ReceiverHandle,
-    files: &DirectorySink,
-    status_interval: f64,
-    exit_after_eos: bool,
-    verify: bool,
-    stop: Arc<AtomicBool>,
-    posted_work_requests: u64,
-) -> i32 {
-    let mut line = StatusLine::<StreamKey>::default();
+/// How a receiver runs, besides its engine: see [`receiver`].
+pub struct ReceiverRun<'a> {
+    pub files: &'a DirectorySink,
+    pub status_interval: f64,
+    pub exit_after_eos: bool,
+    pub verify: bool,
+    /// The transport's count of work requests the receiver posted (0, by the mechanism), read
+    /// at the end.
+    pub posted_work_requests: fn() -> u64,
+    /// The memory budget senders take their regions and copies from.
+    pub memory: Arc<Budget>,
+    /// The disk budget of the output directory (`None`: none).
+    pub disk_budget: Option<u64>,
+    pub observer: Observer,
+}
+
+/// Runs a started receiver: a short status line every `status_interval` (the per-device table
+/// on SIGUSR1; metrics and the status page with `metrics`) until `stop` is set (Ctrl-C) or,
+/// with `exit_after_eos`, every sender that connected has ended its streams; then stops it,
+/// logs the table and the summary and returns the exit code: 4 when frames of lossless devices
+/// are missing from the output, 3 when `verify` found a frame that differs from its reference,
+/// else 0.
+pub fn receiver(receiver: ReceiverHandle, run: ReceiverRun<'_>, stop: Arc<AtomicBool>) -> i32 {
+    let ReceiverRun {
+        files,
+        status_interval,
+        exit_after_eos,
+        verify,
+        posted_work_requests,
+        memory,
+        disk_budget,
+        observer,
+    } = run;
+    // Listening since the handle started.
+    observer.ready.store(true, Ordering::Release);
+    let tick = |elapsed: Duration| {
+        let engine = ReceiverEngine {
+            blocks: receiver.blocks(),
+            idle_polls: receiver.idle_polls(),
+            refused: receiver
+                .refused_by_kind()
+                .into_iter()
+                .map(|(k, n)| (k.name(), n))
+                .collect(),
+            invalid: receiver
+                .invalid()
+                .all()
+                .into_iter()
+                .map(|(k, n)| (k.name(), n))
+                .collect(),
+            reorder: receiver.reorder_stats().into_iter().collect(),
+            memory_used: memory.used() as u64,
+            memory_limit: memory.limit() as u64,
+            disk_used: files.disk_used(),
+            disk_budget,
+            evictions: files.evictions(),
+        };
+        observer
+            .monitor
+            .tick(receiver.counters().all(), Engine::Receiver(engine), elapsed);
+    };
+    let mut last = Instant::now();
     every(Duration::from_secs_f64(status_interval), &stop, |elapsed| {
-        tracing::info!("status: {}", line.render(receiver.counters(), elapsed));
+        tick(elapsed);
+        last = Instant::now();
+        observer.report();
         !(exit_after_eos && receiver.all_senders_ended())
     });
+    // The final counts, for the metrics until the server stops and for the table.
+    tick(last.elapsed());
+    observer.monitor.finish();
     let counters = receiver.counters().all();
     let reorder = receiver.reorder_stats();
     let invalid = receiver.invalid().all();
     let (blocks, idle, refused) = (receiver.blocks(), receiver.idle_polls(), receiver.refused());
     let refused_by_kind = receiver.refused_by_kind();
     receiver.stop();
+    observer.log_table();
     let mut mismatched = 0;
     // Frames of lossless devices that never made it to the output: never a success.
     let mut lost = 0;
@@ -253,7 +406,7 @@ pub fn receiver(
             lost += get(&c.missing) + get(&c.unwritten);
         }
     }
-    let p = line.total_latency();
+    let p = observer.monitor.total_latency();
     let ms = |d: Option<std::time::Duration>| match d {
         Some(d) => format!("{:.3} ms", d.as_secs_f64() * 1e3),
         None => "- (no frames)".to_string(),
@@ -276,7 +429,7 @@ pub fn receiver(
                 .map(|(k, n)| (k.to_string(), *n))
                 .collect()
         ),
-        posted_work_requests,
+        posted_work_requests(),
         listed(invalid.iter().map(|(k, n)| (k.to_string(), *n)).collect()),
         ms(p.quantile(0.5)),
         ms(p.quantile(0.99))

@@ -77,6 +77,24 @@ impl Histogram {
         None
     }
 
+    /// The non-empty buckets in order: each bucket's lower and upper bound (a sample `d` is in
+    /// it when `lower <= d < upper`, to microsecond resolution) and its count. For exporting
+    /// the histogram (e.g. as Prometheus buckets); quantiles are [`Histogram::quantile`].
+    pub fn buckets(&self) -> impl Iterator<Item = (Duration, Duration, u64)> + '_ {
+        self.buckets
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| **c > 0)
+            .map(|(i, &c)| {
+                // Below 8 µs neighbouring buckets share a bound: the next larger one is the end.
+                let upper = (i + 1..BUCKETS)
+                    .map(Self::value)
+                    .find(|&v| v > Self::value(i))
+                    .map_or(Duration::MAX, Duration::from_micros);
+                (Duration::from_micros(Self::value(i)), upper, c)
+            })
+    }
+
     /// Adds another histogram's samples.
     pub fn merge(&mut self, other: &Histogram) {
         for (a, b) in self.buckets.iter_mut().zip(&other.buckets) {
@@ -305,5 +323,17 @@ mod tests {
         assert!((p50 - 5000.0).abs() / 5000.0 < 0.1, "p50 {p50}");
         assert!((p99 - 9900.0).abs() / 9900.0 < 0.1, "p99 {p99}");
         assert_eq!(Histogram::default().quantile(0.5), None);
+        // Every sample is in the bucket that claims it.
+        for us in [1u64, 7, 9, 100, 4095, 4096, 65_000_000] {
+            let mut one = Histogram::default();
+            one.record(Duration::from_micros(us));
+            let b: Vec<_> = one.buckets().collect();
+            let d = Duration::from_micros(us);
+            assert!(
+                b.len() == 1 && b[0].0 <= d && d < b[0].1 && b[0].2 == 1,
+                "{us}: {b:?}"
+            );
+        }
+        assert_eq!(h.buckets().map(|b| b.2).sum::<u64>(), 10_000);
     }
 }

@@ -11,6 +11,8 @@ use clap::Parser;
 use rdmastream::engine::ReceiverHandle;
 use rdmastream_app::cli::{ConfigError, init_logging, load_config};
 use rdmastream_app::config::{ReceiverConfig, ReceiverPlan};
+use rdmastream_app::monitor::Role;
+use rdmastream_app::run::{Observer, ReceiverRun};
 use rdmastream_app::sink::DirectorySink;
 use rdmastream_verbs::{VerbsSettings, posted_work_requests};
 
@@ -42,6 +44,10 @@ struct Cli {
     /// Override `transport` (auto, verbs, tcp).
     #[arg(long)]
     transport: Option<String>,
+    /// Override `metrics`: serve /metrics, /healthz, /readyz and the status page at / on this
+    /// address:port.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
 }
 
 fn main() {
@@ -60,6 +66,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         ("out", "--out", cli.out.is_some()),
         ("listen", "--listen", cli.listen.is_some()),
         ("transport", "--transport", cli.transport.is_some()),
+        ("metrics", "--metrics", cli.metrics.is_some()),
     ];
     if let Some(o) = cli.out {
         cfg.out = o;
@@ -70,6 +77,9 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     if let Some(t) = cli.transport {
         cfg.transport = t;
     }
+    if let Some(m) = cli.metrics {
+        cfg.metrics = Some(m);
+    }
     let ReceiverPlan {
         region,
         options: opts,
@@ -77,6 +87,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         pipelines,
     } = cfg.validate(&file).map_err(|e| e.blame(&flags))?;
     sink_opts.verify = cli.verify;
+    let (memory, disk_budget) = (opts.limits.budget.clone(), sink_opts.disk_budget);
+    let observer = Observer::start(Role::Receiver, cfg.metrics.as_deref(), cfg.status_interval)?;
     let verbs = VerbsSettings {
         device: cfg.rdma_device.clone(),
         port: cfg.ib_port,
@@ -97,7 +109,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 .map_err(|e| ConfigError::new(&file, "device.pipeline", e))?,
         )
     };
-    let receiver = ReceiverHandle::start(opts, Box::new(listener), sink)?;
+    let receiver = ReceiverHandle::start(opts, Box::new(listener), observer.tap(sink))?;
     tracing::info!(
         "receiver listening on {} (transport {kind}), {} blocks of {} bytes per sender, writing to {}",
         receiver.local_addr(),
@@ -116,13 +128,15 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         })
         .context("installing the Ctrl-C handler")?;
     }
-    Ok(rdmastream_app::run::receiver(
-        receiver,
-        &files,
-        cfg.status_interval,
-        cli.exit_after_eos,
-        cli.verify,
-        stop,
-        posted_work_requests(),
-    ))
+    let run = ReceiverRun {
+        files: &files,
+        status_interval: cfg.status_interval,
+        exit_after_eos: cli.exit_after_eos,
+        verify: cli.verify,
+        posted_work_requests,
+        memory,
+        disk_budget,
+        observer,
+    };
+    Ok(rdmastream_app::run::receiver(receiver, run, stop))
 }

@@ -38,6 +38,9 @@ struct Cli {
     /// Override `transport` (auto, verbs, tcp).
     #[arg(long)]
     transport: Option<String>,
+    /// Override `metrics`: serve /metrics, /healthz and /readyz on this address:port.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
 }
 
 fn main() {
@@ -56,6 +59,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         ("receiver", "--receiver", cli.receiver.is_some()),
         ("name", "--name", cli.name.is_some()),
         ("transport", "--transport", cli.transport.is_some()),
+        ("metrics", "--metrics", cli.metrics.is_some()),
     ];
     if let Some(r) = cli.receiver {
         cfg.receiver = r;
@@ -65,6 +69,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     if let Some(t) = cli.transport {
         cfg.transport = t;
+    }
+    if let Some(m) = cli.metrics {
+        cfg.metrics = Some(m);
     }
     let devices = cfg.validate(&file).map_err(|e| e.blame(&flags))?;
     let key = load_key(&file, "", cfg.key.as_deref(), cfg.key_file.as_deref())?;

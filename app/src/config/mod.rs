@@ -23,6 +23,32 @@ pub(crate) fn seconds_within(
     }
 }
 
+/// Checks the `metrics` key (`--metrics`): an `address:port` to serve metrics on.
+pub(crate) fn check_metrics(
+    file: &std::path::Path,
+    metrics: Option<&str>,
+) -> Result<(), crate::cli::ConfigError> {
+    let Some(addr) = metrics else {
+        return Ok(());
+    };
+    match std::net::ToSocketAddrs::to_socket_addrs(addr).map(|mut a| a.next()) {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err(crate::cli::ConfigError::new(
+            file,
+            "metrics",
+            format!("{addr:?} resolves to no address"),
+        )),
+        Err(e) => Err(crate::cli::ConfigError::new(
+            file,
+            "metrics",
+            format!(
+                "{addr:?} is not an address:port to serve metrics on, like 127.0.0.1:9090 or \
+                 0.0.0.0:8080 ({e})"
+            ),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod shipped_tests {
     use super::*;

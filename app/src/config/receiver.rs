@@ -70,6 +70,10 @@ pub struct ReceiverConfig {
     pub poll_max_us: u64,
     #[serde(default = "d_status")]
     pub status_interval: f64,
+    /// `address:port` to serve /metrics, /healthz, /readyz (and the receiver's status page)
+    /// on; `None`: no HTTP server.
+    #[serde(default)]
+    pub metrics: Option<String>,
     #[serde(default)]
     pub rdma_device: Option<String>,
     #[serde(default = "d_port")]
@@ -259,6 +263,7 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
     if cfg.status_interval.is_nan() || cfg.status_interval <= 0.0 {
         return Err(err("status_interval", "must be > 0 seconds".into()));
     }
+    super::check_metrics(file, cfg.metrics.as_deref())?;
     super::seconds_within(cfg.peer_timeout, 0.2..=3600.0)
         .map_err(|why| err("peer_timeout", why))?;
     super::seconds_within(cfg.sender_gone_after, 0.0..=86400.0)

@@ -31,6 +31,10 @@ pub struct SenderConfig {
     pub queue_depth: usize,
     #[serde(default = "d_status")]
     pub status_interval: f64,
+    /// `address:port` to serve /metrics, /healthz, /readyz (and the receiver's status page)
+    /// on; `None`: no HTTP server.
+    #[serde(default)]
+    pub metrics: Option<String>,
     #[serde(default = "d_peer_timeout")]
     pub peer_timeout: f64,
     #[serde(default = "d_shutdown_grace")]
@@ -171,6 +175,7 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
     if cfg.status_interval.is_nan() || cfg.status_interval <= 0.0 {
         return Err(err("status_interval", "must be > 0 seconds".into()));
     }
+    super::check_metrics(file, cfg.metrics.as_deref())?;
     super::seconds_within(cfg.peer_timeout, 0.2..=3600.0)
         .map_err(|why| err("peer_timeout", why))?;
     super::seconds_within(cfg.shutdown_grace, 0.0..=3600.0)
