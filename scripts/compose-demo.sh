@@ -197,26 +197,41 @@ radar = [m for m in index["mosaic"] if m.endswith(("device-100", "device-101"))]
 assert len(index["mosaic"]) == 16 and len(radar) == 2, f"mosaic has {index['mosaic']}"
 EOF
 fi
-# Open every output in the image's own GStreamer: the MP4s must be H.264 with a duration and
-# decode to the end (every frame), the mosaic must decode.
+# Open every output in the image's own GStreamer. Each MP4 must demux to the end as H.264 (an
+# MP4 that mp4mux did not finish has no index and does not demux) with as many samples, and
+# the size, as the processor says it encoded (index.json); the mosaic must decode as a PNG.
 mp4s=$(cd "$p" 2>/dev/null && find . -name '*.mp4' | sort | sed 's#^\./##' || true)
 [ "$(wc -w <<<"$mp4s")" -ge 14 ] || problems+=("expected 14 MP4 files in $p, found $(wc -w <<<"$mp4s")")
 if [ -n "$mp4s" ] && [ -s "$p/mosaic.png" ]; then
-  # shellcheck disable=SC2086
   "$engine" run --rm --entrypoint bash -v "$p:/p:ro" -w /p "$image" -c '
-    rc=0
     for f in '"$(tr '\n' ' ' <<<"$mp4s")"'; do
-      out=$(gst-discoverer-1.0 "$f" 2>&1)
-      if grep -q "H.264" <<<"$out" && grep -q "Duration: " <<<"$out" \
-        && ! grep -q "Duration: 0:00:00.0" <<<"$out" \
-        && gst-launch-1.0 -q filesrc location="$f" ! qtdemux ! avdec_h264 ! fakesink; then
-        echo "$f: $(grep -m1 Duration <<<"$out" | tr -d " "), $(grep -m1 Width <<<"$out" | tr -d " ")x$(grep -m1 Height <<<"$out" | tr -d " ")"
-      else
-        echo "BAD $f: $out"; rc=1
-      fi
+      out=$(gst-launch-1.0 -v filesrc location="$f" ! qtdemux ! fakesink silent=false 2>&1) || { echo "BAD $f"; continue; }
+      caps=$(grep -m1 "caps = video/x-h264" <<<"$out")
+      w=$(sed -n "s/.*width=(int)\([0-9]*\).*/\1/p" <<<"$caps"); h=$(sed -n "s/.*height=(int)\([0-9]*\).*/\1/p" <<<"$caps")
+      echo "$f ${w:-0} ${h:-0} $(grep -c "last-message = chain" <<<"$out")"
     done
-    gst-launch-1.0 -q filesrc location=mosaic.png ! pngdec ! fakesink || { echo "BAD mosaic.png"; rc=1; }
-    exit $rc' >"$logs/outputs-check.out" 2>&1 || problems+=("processor outputs do not open: $(grep BAD "$logs/outputs-check.out" | head -3)")
+    gst-launch-1.0 -q filesrc location=mosaic.png ! pngdec ! fakesink || echo "BAD mosaic.png"' \
+    >"$logs/outputs-check.out" 2>&1 || true
+  python3 - "$p/index.json" "$logs/outputs-check.out" >"$logs/outputs-check.err" 2>&1 <<'PY' \
+    || problems+=("processor outputs do not open: $(head -3 "$logs/outputs-check.err")")
+import json, sys
+devices = json.load(open(sys.argv[1]))["devices"]
+bad = []
+for line in open(sys.argv[2]):
+    parts = line.split()
+    if not parts:
+        continue
+    if parts[0] == "BAD" or len(parts) != 4:
+        bad.append(line.strip())
+        continue
+    f, w, h, samples = parts[0], *map(int, parts[1:])
+    d = devices.get(f)
+    if d is None or (w, h, samples) != (d["width"], d["height"], d["frames"]) or samples == 0:
+        bad.append(f"{f}: {w}x{h}, {samples} H.264 samples; the processor encoded {d}")
+if bad:
+    print("\n".join(bad))
+    sys.exit(1)
+PY
 else
   problems+=("no mosaic.png in $p")
 fi
@@ -231,7 +246,8 @@ fi
 verified="$(sed -n 's/.*verify: all \([0-9]*\) synthetic frames match.*/\1/p' "$r")"
 echo
 echo "compose-demo: OK in $((SECONDS - t0))s (run ${DURATION}s, down ${down_secs}s): 16 devices from 2 senders arrived and ended cleanly, $verified synthetic frames verified"
-echo "  MP4s:   $(wc -w <<<"$mp4s") in $p/<sender>/ (e.g. $(head -1 "$logs/outputs-check.out"))"
+echo "  MP4s:   $(wc -w <<<"$mp4s") in $p/<sender>/, each demuxed in full (file, width, height, H.264 samples):"
+sed 's/^/          /' "$logs/outputs-check.out"
 echo "  mosaic: $p/mosaic.png"
 if [ $metrics = yes ]; then
   echo "  status page and metrics answered on http://127.0.0.1:8080/"
