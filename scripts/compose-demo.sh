@@ -117,7 +117,9 @@ for s in "${services[@]}"; do
 done
 
 metrics=no
-if "$engine" run --rm --entrypoint receiver "$image" --help 2>/dev/null | grep -q -- '--metrics'; then
+# Captured first: with pipefail, `grep -q` closing the pipe early would fail the pipeline.
+help="$("$engine" run --rm --entrypoint receiver "$image" --help 2>/dev/null || true)"
+if grep -q -- '--metrics' <<<"$help"; then
   metrics=yes
 fi
 page_ok=0
