@@ -30,6 +30,8 @@ fail() {
 }
 step() { echo "== [$((SECONDS - t0))s] $*"; }
 
+# Build tools, GStreamer, python3-venv, curl (quick when they are there).
+scripts/setup.sh
 # --- container engine ---------------------------------------------------------------------------
 if [ -z "${RDMASTREAM_ENGINE:-}" ] && command -v docker >/dev/null && docker info >/dev/null 2>&1 \
   && docker compose version >/dev/null 2>&1; then
