@@ -6,7 +6,8 @@
 #     pattern (the receiver's --verify summary), and every container exited 0;
 #   - the processor left a playable MP4 per camera (gst-discoverer-1.0: H.264, a duration) and a
 #     mosaic.png that decodes, and nothing half-written (no .part file, no temporary frame file);
-#   - the receiver's status page, /metrics, /healthz and /readyz answered on 127.0.0.1:8080,
+#   - the receiver's status page, /metrics, /healthz and /readyz answered on 127.0.0.1:8080
+#     (RDMASTREAM_STATUS_PORT; another free port when 8080 is taken),
 #     when the binaries have --metrics (older ones do not; this says so and skips that check).
 # Exits non-zero with a message naming what failed.
 #
@@ -91,7 +92,9 @@ image=localhost/rdmastream:latest
 
 # --- run ------------------------------------------------------------------------------------------
 project=rdmastream
-dc() { "${compose[@]}" -p "$project" -f "$root/docker-compose.yml" "$@"; }
+# Bounded: podman-compose waits for each dependency to run, and would wait forever on one that
+# cannot start.
+dc() { timeout 300 "${compose[@]}" -p "$project" -f "$root/docker-compose.yml" "$@"; }
 # Leftovers of an interrupted run would hold the port and the output.
 dc down >/dev/null 2>&1 || true
 rm -rf "$RDMASTREAM_OUT"
@@ -100,8 +103,20 @@ logs="$RDMASTREAM_OUT/logs"
 services=(receiver edge-1 edge-2 processor)
 cleanup() { dc down >/dev/null 2>&1 || true; }
 trap cleanup EXIT
+# The status page's port on the host (127.0.0.1 only): 8080, or a free one when 8080 is taken
+# and RDMASTREAM_STATUS_PORT does not say which to use.
+port_free() { python3 -c 'import socket,sys; s=socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1])))' "$1" 2>/dev/null; }
+if [ -z "${RDMASTREAM_STATUS_PORT:-}" ]; then
+  RDMASTREAM_STATUS_PORT=8080
+  if ! port_free 8080; then
+    RDMASTREAM_STATUS_PORT="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    echo "compose-demo: 127.0.0.1:8080 is in use; publishing the status page on 127.0.0.1:$RDMASTREAM_STATUS_PORT"
+  fi
+fi
+export RDMASTREAM_STATUS_PORT
+port_free "$RDMASTREAM_STATUS_PORT" || fail "127.0.0.1:$RDMASTREAM_STATUS_PORT (RDMASTREAM_STATUS_PORT) is in use"
 step "compose up (${DURATION}s)"
-dc up -d >"$logs/up.log" 2>&1 || { cat "$logs/up.log" >&2; fail "compose up"; }
+dc up -d >"$logs/up.log" 2>&1 || { cat "$logs/up.log" >&2; fail "compose up (log: $logs/up.log)"; }
 container() {
   "$engine" ps -a -q --filter "label=com.docker.compose.project=$project" \
     --filter "label=com.docker.compose.service=$1" | head -1
@@ -136,12 +151,12 @@ while [ $SECONDS -lt "$deadline" ]; do
     ok=1
     for path in / /metrics /healthz /readyz; do
       name="${path//\//_}"
-      curl -fsS -m 5 "http://127.0.0.1:8080$path" -o "$logs/http$name.out" 2>"$logs/http$name.err" || ok=0
+      curl -fsS -m 5 "http://127.0.0.1:$RDMASTREAM_STATUS_PORT$path" -o "$logs/http$name.out" 2>"$logs/http$name.err" || ok=0
     done
     if [ $ok = 1 ] && [ -s "$logs/http_.out" ] && grep -q '^rdmastream_' "$logs/http_metrics.out" \
       && grep -q 'edge-1' "$logs/http_metrics.out" && grep -q 'edge-2' "$logs/http_metrics.out"; then
       page_ok=1
-      step "status page, /metrics, /healthz and /readyz answered on 127.0.0.1:8080"
+      step "status page, /metrics, /healthz and /readyz answered on 127.0.0.1:$RDMASTREAM_STATUS_PORT"
     fi
   fi
   sleep 1
@@ -240,7 +255,7 @@ else
   problems+=("no mosaic.png in $p")
 fi
 if [ $metrics = yes ] && [ $page_ok = 0 ]; then
-  problems+=("the status page or /metrics, /healthz, /readyz did not answer on 127.0.0.1:8080 ($logs/http_*)")
+  problems+=("the status page or /metrics, /healthz, /readyz did not answer on 127.0.0.1:$RDMASTREAM_STATUS_PORT ($logs/http_*)")
 fi
 
 if ((${#problems[@]})); then
@@ -254,7 +269,7 @@ echo "  MP4s:   $(wc -w <<<"$mp4s") in $p/<sender>/, each demuxed in full (file,
 sed 's/^/          /' "$logs/outputs-check.out"
 echo "  mosaic: $p/mosaic.png"
 if [ $metrics = yes ]; then
-  echo "  status page and metrics answered on http://127.0.0.1:8080/"
+  echo "  status page and metrics answered on http://127.0.0.1:$RDMASTREAM_STATUS_PORT/"
 else
   echo "  status page: not checked: this receiver binary has no --metrics flag yet"
 fi
