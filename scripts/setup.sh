@@ -19,6 +19,8 @@ packages=(
   # scripts/k8s-validate.sh and scripts/compose-demo.sh: PyPI tools (kubernetes-validate,
   # yamllint, podman-compose) in a venv; curl for the compose demo's status-page check.
   python3-venv curl
+  # integration/tests/status_page.rs: the receiver's status page in headless Chromium.
+  chromium
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -2,7 +2,8 @@
 # Runs every check and test: formatting, clippy with warnings as errors, the Kubernetes manifests
 # rendered and validated (scripts/k8s-validate.sh), the whole test suite on
 # the host (unit, simulator, in-process engine, the real sender/receiver processes over tcp,
-# hostile peers, and network faults between two network namespaces),
+# hostile peers, network faults between two network namespaces, the metrics endpoints and the
+# receiver's status page in headless Chromium),
 # then the process-level suite again over real RDMA verbs on Soft-RoCE in a VM
 # (scripts/test-vm.sh; set RDMASTREAM_SKIP_VM=1 to leave it out locally).
 set -euo pipefail
@@ -14,9 +15,10 @@ cargo clippy --workspace --all-targets --release -- -D warnings
 scripts/k8s-validate.sh
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
-# As root the network-fault tests (integration/tests/netfaults.rs: namespaces, nft, tmpfs) must
-# run, not skip.
-if [ "$(id -u)" = 0 ]; then export RDMASTREAM_REQUIRE_NETNS=1; fi
+# As root the network-fault tests (integration/tests/netfaults.rs: namespaces, nft, tmpfs) and
+# the browser test of the status page (integration/tests/status_page.rs: chromium, installed by
+# setup.sh) must run, not skip.
+if [ "$(id -u)" = 0 ]; then export RDMASTREAM_REQUIRE_NETNS=1 RDMASTREAM_REQUIRE_BROWSER=1; fi
 cargo test --workspace --release 2>&1 | tee "$log"
 if [ -z "${RDMASTREAM_SKIP_VM:-}" ]; then
   scripts/test-vm.sh 2>&1 | tee -a "$log"

@@ -10,6 +10,9 @@
 //! | `GET /` | receiver: the status page (`status_page.html`: inline CSS and JS, no external assets) |
 //! | `GET /thumb/<sender>/<device>.png` | receiver: the device's newest thumbnail ([`crate::thumbs`]) |
 //!
+//! [`HttpServer::start_metrics`] serves only `/metrics` (and 200 probes) from a function: the
+//! GStreamer elements' `metrics` property uses it.
+//!
 //! One thread answers, with `tiny_http` reading requests; every answer is computed from the
 //! [`Monitor`] and the thumbnail store, never from the engine, so a slow client cannot slow
 //! frames down. Stopped (and joined) when the [`HttpServer`] is dropped.
@@ -45,6 +48,17 @@ impl HttpServer {
         monitor: Arc<Monitor>,
         thumbs: Option<Arc<Thumbnails>>,
     ) -> Result<HttpServer, Error> {
+        Self::serve(addr, Site::Binary { monitor, thumbs })
+    }
+
+    /// Binds `addr` and answers `/metrics` with what `render` returns (OpenMetrics text),
+    /// `/healthz` and `/readyz` with 200: for metrics that are not a binary's (the GStreamer
+    /// elements').
+    pub fn start_metrics(addr: &str, render: MetricsFn) -> Result<HttpServer, Error> {
+        Self::serve(addr, Site::Metrics(render))
+    }
+
+    fn serve(addr: &str, site: Site) -> Result<HttpServer, Error> {
         let io = |source| Error::Io {
             what: format!("serving metrics on {addr} (--metrics / `metrics`)"),
             source,
@@ -61,7 +75,12 @@ impl HttpServer {
                 .spawn(move || {
                     while !stop.load(Ordering::Acquire) {
                         match server.recv_timeout(Duration::from_millis(100)) {
-                            Ok(Some(request)) => answer(request, &monitor, thumbs.as_deref()),
+                            Ok(Some(request)) => match &site {
+                                Site::Binary { monitor, thumbs } => {
+                                    answer(request, monitor, thumbs.as_deref())
+                                }
+                                Site::Metrics(render) => answer_metrics(request, render),
+                            },
                             Ok(None) => {}
                             Err(e) => {
                                 rdmastream::warn_limited!("http", "metrics server: {e}");
@@ -95,6 +114,33 @@ impl Drop for HttpServer {
             let _ = t.join();
         }
     }
+}
+
+/// What [`HttpServer::start_metrics`] serves at `/metrics`.
+pub type MetricsFn = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// What a server answers for.
+enum Site {
+    /// A sender or receiver: its monitor, and on a receiver the thumbnails.
+    Binary {
+        monitor: Arc<Monitor>,
+        thumbs: Option<Arc<Thumbnails>>,
+    },
+    /// Metrics only.
+    Metrics(MetricsFn),
+}
+
+/// Answers one request of a metrics-only server.
+fn answer_metrics(request: Request, render: &MetricsFn) {
+    let path = request.url().split('?').next().unwrap_or("");
+    let response = match (request.method(), path) {
+        (Method::Get | Method::Head, "/metrics") => Response::from_string(render())
+            .with_header(header("Content-Type", crate::metrics::CONTENT_TYPE)),
+        (Method::Get | Method::Head, "/healthz" | "/readyz") => text(200, "ok\n"),
+        (Method::Get | Method::Head, _) => text(404, "not found\n"),
+        _ => text(405, "only GET\n"),
+    };
+    let _ = request.respond(response.with_header(header("Cache-Control", "no-store")));
 }
 
 fn header(name: &str, value: &str) -> Header {

@@ -55,6 +55,52 @@ pub fn render(monitor: &Arc<Monitor>) -> String {
     text
 }
 
+/// One metric family to render with [`render_families`]: for metrics that are not a
+/// [`Monitor`]'s (the GStreamer elements' `stats`).
+#[derive(Debug, Clone)]
+pub struct Family {
+    /// Full name without `_total` (counters get it when rendered), e.g. `rdmastream_element_frames`.
+    pub name: &'static str,
+    pub help: &'static str,
+    pub counter: bool,
+    /// Each series: its labels and value.
+    pub series: Vec<(Vec<(&'static str, String)>, u64)>,
+}
+
+/// Renders `families` as OpenMetrics text ([`CONTENT_TYPE`]).
+pub fn render_families(families: Vec<Family>) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(FamiliesCollector(families)));
+    let mut text = String::new();
+    let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
+    text
+}
+
+#[derive(Debug)]
+struct FamiliesCollector(Vec<Family>);
+
+impl Collector for FamiliesCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for f in &self.0 {
+            let kind = if f.counter {
+                MetricType::Counter
+            } else {
+                MetricType::Gauge
+            };
+            let mut family = enc.encode_descriptor(f.name, f.help, None, kind)?;
+            for (labels, v) in &f.series {
+                let e = family.encode_family(labels)?;
+                if f.counter {
+                    ConstCounter::new(*v).encode(e)?;
+                } else {
+                    ConstGauge::new(*v as i64).encode(e)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug)]
 struct MonitorCollector(Arc<Monitor>);
 

@@ -190,7 +190,9 @@ impl Monitor {
         engine: Engine,
         elapsed: Duration,
     ) {
-        let secs = elapsed.as_secs_f64().max(1e-9);
+        let secs = elapsed.as_secs_f64();
+        // A first tick (elapsed 0) only registers the devices: no rates yet.
+        let rate = |n: u64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
         let mut s = self.state.lock();
         for (key, counters) in devices {
             s.devices.entry(key).or_insert_with(|| Device {
@@ -216,8 +218,8 @@ impl Monitor {
             rows.push(DeviceRow {
                 sender: key.sender.clone(),
                 device: key.device,
-                fps: now.0.saturating_sub(d.last.0) as f64 / secs,
-                mbps: now.1.saturating_sub(d.last.1) as f64 / secs / 1e6,
+                fps: rate(now.0.saturating_sub(d.last.0)),
+                mbps: rate(now.1.saturating_sub(d.last.1)) / 1e6,
                 frames: now.0,
                 bytes: now.1,
                 drops: get(&c.drops),

@@ -205,6 +205,8 @@ pub fn sender(
             .monitor
             .tick(devices, Engine::Sender(engine), elapsed);
     };
+    // The devices are in the metrics from the start, not from the first status line.
+    tick(&sender, Duration::ZERO);
     every(
         Duration::from_secs_f64(cfg.status_interval),
         &stop,
@@ -351,6 +353,8 @@ pub fn receiver(receiver: ReceiverHandle, run: ReceiverRun<'_>, stop: Arc<Atomic
             .monitor
             .tick(receiver.counters().all(), Engine::Receiver(engine), elapsed);
     };
+    // The budgets are in the metrics from the start, not from the first status line.
+    tick(Duration::ZERO);
     let mut last = Instant::now();
     every(Duration::from_secs_f64(status_interval), &stop, |elapsed| {
         tick(elapsed);

@@ -24,8 +24,13 @@ use rdmastream::stats::DeviceCounters;
 /// Largest thumbnail, in pixels.
 pub const MAX_W: u32 = 192;
 pub const MAX_H: u32 = 144;
-/// Shortest time between two thumbnails of one device.
+/// Shortest time between two thumbnails of one device (JPEG frames, which must be decoded:
+/// [`EVERY_DECODED`]).
 pub const EVERY: Duration = Duration::from_millis(250);
+pub const EVERY_DECODED: Duration = Duration::from_secs(1);
+/// Devices with a thumbnail at most (about 80 KiB each); beyond that the one updated longest
+/// ago is forgotten, so sender names a peer makes up cannot grow the receiver's memory.
+pub const MAX_DEVICES: usize = 512;
 /// Largest JPEG frame decoded for a thumbnail (larger ones are drawn as bytes).
 const MAX_JPEG: usize = 4 << 20;
 
@@ -96,12 +101,26 @@ impl Thumbnails {
         Some(out)
     }
 
+    /// The slot of `key`, made room for.
+    fn slot<'a>(slots: &'a mut HashMap<StreamKey, Slot>, key: &StreamKey) -> &'a mut Slot {
+        if !slots.contains_key(key) && slots.len() >= MAX_DEVICES {
+            let oldest = slots
+                .iter()
+                .min_by_key(|(_, s)| s.made)
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                slots.remove(&k);
+            }
+        }
+        slots.entry(key.clone()).or_default()
+    }
+
     /// Looks at one event on its way to the sink.
     pub fn observe(&self, key: &StreamKey, event: &StreamEvent) {
         match event {
             StreamEvent::Format { descriptor, .. } => {
                 let mut slots = self.slots.lock();
-                let slot = slots.entry(key.clone()).or_default();
+                let slot = Self::slot(&mut slots, key);
                 slot.format = Format::parse(descriptor);
                 slot.format_text = slot
                     .format
@@ -114,8 +133,12 @@ impl Thumbnails {
             StreamEvent::Frame(frame) => {
                 let format = {
                     let mut slots = self.slots.lock();
-                    let slot = slots.entry(key.clone()).or_default();
-                    if slot.made.is_some_and(|t| t.elapsed() < EVERY) {
+                    let slot = Self::slot(&mut slots, key);
+                    let every = match &slot.format {
+                        Some(f) if f.media_type == "image/jpeg" => EVERY_DECODED,
+                        _ => EVERY,
+                    };
+                    if slot.made.is_some_and(|t| t.elapsed() < every) {
                         return;
                     }
                     slot.made = Some(Instant::now());
@@ -362,5 +385,19 @@ mod tests {
                 })
                 .is_none()
         );
+        // Made-up sender names do not grow the store beyond MAX_DEVICES; the newest stay.
+        for n in 0..MAX_DEVICES + 10 {
+            let k = StreamKey {
+                sender: format!("s{n}"),
+                device: 1,
+            };
+            store.observe(&k, &frame(0));
+        }
+        assert_eq!(store.slots.lock().len(), MAX_DEVICES);
+        let newest = StreamKey {
+            sender: format!("s{}", MAX_DEVICES + 9),
+            device: 1,
+        };
+        assert!(store.get(&newest).is_some());
     }
 }

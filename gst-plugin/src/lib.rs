@@ -20,6 +20,7 @@ pub use error::Error;
 pub mod error;
 mod link;
 mod logging;
+mod metrics;
 mod rdmasink;
 mod rdmasrc;
 mod report;

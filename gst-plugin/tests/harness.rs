@@ -774,3 +774,92 @@ fn smaller_sink_blocks_than_the_receivers_work() {
     tx.push(buffer(data.clone(), 0, 10)).unwrap();
     assert_eq!(bytes(&rx.pull().unwrap()), data);
 }
+
+/// A scrape of `/metrics` at `addr`, parsed with a Prometheus text parser; `None` when nothing
+/// answers there.
+fn scrape(addr: &str) -> Option<prometheus_parse::Scrape> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    // A server that is going away may still accept without answering.
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .ok()?;
+    write!(s, "GET /metrics HTTP/1.0\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let body = text.split_once("\r\n\r\n")?.1;
+    prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).ok()
+}
+
+fn element_metric(s: &prometheus_parse::Scrape, name: &str, factory: &str) -> Option<f64> {
+    s.samples
+        .iter()
+        .find(|x| x.metric == name && x.labels.get("factory") == Some(factory))
+        .and_then(|x| match x.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => Some(v),
+            _ => None,
+        })
+}
+
+/// `metrics=ADDR` on a sink and a source of one process: one server lists both, with what
+/// their `stats` say, for as long as they run.
+#[test]
+fn elements_serve_their_stats_as_prometheus_metrics() {
+    init();
+    let port = free_port();
+    // Below the kernel's ephemeral range: the other tests of this process get their ports from
+    // it (free_port) and bind them a moment later, and must never find this one taken.
+    let metrics_port = (20000..32000u16)
+        .cycle()
+        .skip(std::process::id() as usize % 12000)
+        .take(12000)
+        .find(|p| std::net::TcpListener::bind(("127.0.0.1", *p)).is_ok())
+        .expect("a free port below 32000");
+    let addr = format!("127.0.0.1:{metrics_port}");
+    let metrics = [("metrics", addr.to_value())];
+    let mut rx = src(port, 7, &metrics);
+    let mut tx = sink(port, 7, GRAY, &metrics);
+    for i in 0..5u8 {
+        tx.push(buffer(vec![i; 8], 100 * i as u64, 100)).unwrap();
+    }
+    for _ in 0..5 {
+        rx.pull().unwrap();
+    }
+    wait_for("the sink's metrics", || {
+        scrape(&addr).is_some_and(|s| {
+            element_metric(&s, "rdmastream_element_frames_total", "rdmasink") == Some(5.0)
+        })
+    });
+    let s = scrape(&addr).unwrap();
+    assert_eq!(
+        element_metric(&s, "rdmastream_element_frames_total", "rdmasrc"),
+        Some(5.0)
+    );
+    assert_eq!(
+        element_metric(&s, "rdmastream_element_payload_bytes_total", "rdmasink"),
+        Some(40.0)
+    );
+    assert_eq!(
+        element_metric(&s, "rdmastream_element_connected", "rdmasink"),
+        Some(1.0)
+    );
+    let sink_stats = stats(tx.element().unwrap().upcast_ref());
+    assert_eq!(
+        element_metric(&s, "rdmastream_element_dropped_frames_total", "rdmasink"),
+        Some(sink_stats.get::<u64>("frames-dropped").unwrap() as f64)
+    );
+    let device = s
+        .samples
+        .iter()
+        .find(|x| x.metric == "rdmastream_element_frames_total")
+        .and_then(|x| x.labels.get("device").map(str::to_string));
+    assert_eq!(device.as_deref(), Some("7"));
+    // Stopped elements are taken off, and the server stops with the last of them.
+    drop(tx);
+    drop(rx);
+    assert!(
+        scrape(&addr).is_none(),
+        "the metrics server outlived its elements"
+    );
+}

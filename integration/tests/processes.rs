@@ -4,54 +4,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use common::*;
-
-fn receiver_config(dir: &Path, it: &It, extra: &str) -> PathBuf {
-    let blocks = if it.small {
-        "blocks = 8\nblock_size = 262144"
-    } else {
-        "blocks = 16\nblock_size = 1048576"
-    };
-    write(
-        dir,
-        "receiver.toml",
-        &format!(
-            "transport = \"{}\"\n{}{blocks}\nformat = \"raw\"\nkeep = 0\nwriters = 2\n{extra}\n",
-            it.transport,
-            it.key_line(extra)
-        ),
-    )
-}
-
-fn sender_config(dir: &Path, it: &It, file: &str, name: &str, port: u16, devices: &str) -> PathBuf {
-    let block = if it.small { 262144 } else { 1048576 };
-    write(
-        dir,
-        file,
-        &format!(
-            "name = \"{name}\"\nreceiver = \"{}\"\ntransport = \"{}\"\nblock_size = {block}\nsend_blocks = 4\n{}{devices}",
-            it.addr(port),
-            it.transport,
-            it.key_line(devices)
-        ),
-    )
-}
-
-fn receiver_args<'a>(cfg: &'a Path, listen: &'a str, out: &'a Path) -> Vec<&'a str> {
-    vec![
-        "--config",
-        cfg.to_str().unwrap(),
-        "--listen",
-        listen,
-        "--out",
-        out.to_str().unwrap(),
-        "--verify",
-        "--exit-after-eos",
-    ]
-}
 
 /// Checks that `dir` holds frames 0..n of a synthetic device, every one bit-exact; returns n.
 fn check_device(

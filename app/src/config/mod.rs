@@ -57,6 +57,26 @@ mod shipped_tests {
     const RECEIVER: &str = include_str!("../../../configs/receiver.toml");
     const SENDER: &str = include_str!("../../../configs/sender.toml");
 
+    /// `metrics` is an address:port; anything else is an error naming the key.
+    #[test]
+    fn a_metrics_address_is_checked() {
+        let file = Path::new("r.toml");
+        let ok = ReceiverConfig::parse("metrics = \"127.0.0.1:9090\"", file).unwrap();
+        assert_eq!(ok.metrics.as_deref(), Some("127.0.0.1:9090"));
+        ok.validate(file).unwrap();
+        let bad = ReceiverConfig::parse("metrics = \"9090\"", file).unwrap();
+        let e = bad.validate(file).unwrap_err();
+        assert_eq!(e.key, "metrics", "{e}");
+        let sender = "name = \"a\"\nreceiver = \"127.0.0.1:1\"\nmetrics = \"::nonsense\"\n\
+                      [[device]]\nid = 0\nsource = \"radar-synthetic\"\n";
+        let Err(e) = SenderConfig::parse(sender, file).unwrap().validate(file) else {
+            panic!("a bad metrics address is accepted")
+        };
+        assert!(e.key == "metrics" && e.reason.contains("::nonsense"), "{e}");
+        // The default is no HTTP server.
+        assert_eq!(ReceiverConfig::parse("", file).unwrap().metrics, None);
+    }
+
     /// The shipped configs document the defaults: every key they set has the value the code
     /// uses when the key is left out (their device lists are examples, not defaults).
     #[test]

@@ -66,6 +66,8 @@ struct Settings {
     reconnect: bool,
     reconnect_timeout_ms: u32,
     stats_interval_ms: u32,
+    /// `metrics`: address:port whose /metrics lists this element.
+    metrics: Option<String>,
 }
 
 impl Default for Settings {
@@ -87,11 +89,14 @@ impl Default for Settings {
             reconnect: DEFAULT_RECONNECT,
             reconnect_timeout_ms: DEFAULT_RECONNECT_TIMEOUT_MS,
             stats_interval_ms: crate::report::DEFAULT_STATS_INTERVAL_MS,
+            metrics: None,
         }
     }
 }
 
 struct Started {
+    /// Listed on the `metrics` address while started.
+    _metrics: Option<crate::metrics::Listed>,
     lease: Arc<DeviceLease>,
     drop_policy: DropPolicyProperty,
     reconnect: bool,
@@ -446,6 +451,11 @@ impl ObjectImpl for RdmaSink {
                     .default_value(DEFAULT_RECONNECT_TIMEOUT_MS)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecString::builder("metrics")
+                    .nick("Metrics address")
+                    .blurb("Serve the stats as Prometheus metrics on this address:port (GET /metrics), shared by every element of the process that names it; NULL = none")
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
                     .nick("Statistics")
                     .blurb("frames-written, bytes-written, frames-dropped, in-flight, connected, connections, sender-name")
@@ -479,6 +489,7 @@ impl ObjectImpl for RdmaSink {
             "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
             "reconnect" => s.reconnect = value.get().expect("type checked upstream"),
             "stats-interval" => s.stats_interval_ms = value.get().expect("type checked upstream"),
+            "metrics" => s.metrics = value.get().expect("type checked upstream"),
             "reconnect-timeout" => {
                 s.reconnect_timeout_ms = value.get().expect("type checked upstream")
             }
@@ -506,6 +517,7 @@ impl ObjectImpl for RdmaSink {
             "reconnect" => s.reconnect.to_value(),
             "reconnect-timeout" => s.reconnect_timeout_ms.to_value(),
             "stats-interval" => s.stats_interval_ms.to_value(),
+            "metrics" => s.metrics.to_value(),
             "stats" => {
                 drop(s);
                 let state = self.state.lock().unwrap();
@@ -564,6 +576,19 @@ impl ElementImpl for RdmaSink {
 impl BaseSinkImpl for RdmaSink {
     fn start(&self) -> Result<(), gst::ErrorMessage> {
         let settings = self.settings();
+        // Listed first: an address in use fails the start before anything connects.
+        let metrics = match &settings.metrics {
+            Some(addr) => Some(crate::metrics::list(addr, self.obj().upcast_ref()).map_err(
+                |e| {
+                    gst::error_msg!(
+                        gst::ResourceError::Settings,
+                        ("Cannot serve metrics on {addr}"),
+                        ["{e}"]
+                    )
+                },
+            )?),
+            None => None,
+        };
         let name = settings
             .sender_name
             .clone()
@@ -647,6 +672,7 @@ impl BaseSinkImpl for RdmaSink {
             lease.sender_name()
         );
         *self.state.lock().unwrap() = State::Started(Started {
+            _metrics: metrics,
             lease,
             drop_policy: settings.drop_policy,
             reconnect: settings.reconnect,

@@ -38,7 +38,9 @@
 //! leaves the rest of each receiver block unused.
 //!
 //! Frames dropped under `drop-policy=drop-oldest` post QoS messages; the `stats` structure is
-//! posted as an element message every `stats-interval` ms. The element handles
+//! posted as an element message every `stats-interval` ms, and with `metrics=127.0.0.1:9100`
+//! served as Prometheus metrics at `http://127.0.0.1:9100/metrics` (one server for every
+//! element of the process naming that address). The element handles
 //! `rdma://HOST:PORT?device-id=N&...` URIs (every query parameter is a property).
 
 use gst::glib;

@@ -80,6 +80,8 @@ struct Settings {
     wait_for_sender: bool,
     timeout_ns: u64,
     stats_interval_ms: u32,
+    /// `metrics`: address:port whose /metrics lists this element.
+    metrics: Option<String>,
 }
 
 impl Default for Settings {
@@ -108,11 +110,14 @@ impl Default for Settings {
             wait_for_sender: DEFAULT_WAIT_FOR_SENDER,
             timeout_ns: DEFAULT_TIMEOUT_NS,
             stats_interval_ms: crate::report::DEFAULT_STATS_INTERVAL_MS,
+            metrics: None,
         }
     }
 }
 
 struct Started {
+    /// Listed on the `metrics` address while started.
+    _metrics: Option<crate::metrics::Listed>,
     lease: RouteLease,
     route: Arc<Route>,
     senders: Arc<SenderTable>,
@@ -615,6 +620,11 @@ impl ObjectImpl for RdmaSrc {
                     .default_value(DEFAULT_TIMEOUT_NS)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecString::builder("metrics")
+                    .nick("Metrics address")
+                    .blurb("Serve the stats as Prometheus metrics on this address:port (GET /metrics), shared by every element of the process that names it; NULL = none")
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
                     .nick("Statistics")
                     .blurb("frames, bytes, frames-dropped, frames-before-caps, queued, sender, peer, connections, local-address")
@@ -656,6 +666,7 @@ impl ObjectImpl for RdmaSrc {
             "wait-for-sender" => s.wait_for_sender = value.get().expect("type checked upstream"),
             "timeout" => s.timeout_ns = value.get().expect("type checked upstream"),
             "stats-interval" => s.stats_interval_ms = value.get().expect("type checked upstream"),
+            "metrics" => s.metrics = value.get().expect("type checked upstream"),
             other => unimplemented!("property {other}"),
         }
     }
@@ -686,6 +697,7 @@ impl ObjectImpl for RdmaSrc {
             "wait-for-sender" => s.wait_for_sender.to_value(),
             "timeout" => s.timeout_ns.to_value(),
             "stats-interval" => s.stats_interval_ms.to_value(),
+            "metrics" => s.metrics.to_value(),
             "stats" => {
                 drop(s);
                 let state = self.state.lock().unwrap();
@@ -753,6 +765,19 @@ impl ElementImpl for RdmaSrc {
 impl BaseSrcImpl for RdmaSrc {
     fn start(&self) -> Result<(), gst::ErrorMessage> {
         let settings = self.settings();
+        // Listed first: an address in use fails the start before anything connects.
+        let metrics = match &settings.metrics {
+            Some(addr) => Some(crate::metrics::list(addr, self.obj().upcast_ref()).map_err(
+                |e| {
+                    gst::error_msg!(
+                        gst::ResourceError::Settings,
+                        ("Cannot serve metrics on {addr}"),
+                        ["{e}"]
+                    )
+                },
+            )?),
+            None => None,
+        };
         if let Some(name) = &settings.sender_name
             && !rdmastream::proto::handshake::valid_sender_name(name)
         {
@@ -830,6 +855,7 @@ impl BaseSrcImpl for RdmaSrc {
         // Refusals from before this element started were reported by the elements of that time.
         let refusals_seen = senders.last_refusal();
         *self.state.lock().unwrap() = State::Started(Box::new(Started {
+            _metrics: metrics,
             lease,
             route,
             senders,

@@ -44,7 +44,8 @@
 //!
 //! `timeout` (ns, 0 = off) posts a `GstRdmaSrcTimeout` element message each time nothing arrived
 //! for that long, as udpsrc does. Frames dropped under `drop-policy=drop-oldest` post QoS
-//! messages; the `stats` structure is posted as an element message every `stats-interval` ms.
+//! messages; the `stats` structure is posted as an element message every `stats-interval` ms,
+//! and with `metrics=ADDR` served as Prometheus metrics on `http://ADDR/metrics` (as `rdmasink`).
 //! The element handles `rdma://ADDRESS:PORT?device-id=N&...` URIs (every query parameter is a
 //! property), so `playbin` and `uridecodebin` can use it.
 

@@ -45,6 +45,62 @@ impl It {
     }
 }
 
+/// A receiver.toml in `dir` for the test environment (`extra`: more keys).
+pub fn receiver_config(dir: &Path, it: &It, extra: &str) -> PathBuf {
+    let blocks = if it.small {
+        "blocks = 8\nblock_size = 262144"
+    } else {
+        "blocks = 16\nblock_size = 1048576"
+    };
+    write(
+        dir,
+        "receiver.toml",
+        &format!(
+            "transport = \"{}\"\n{}{blocks}\nformat = \"raw\"\nkeep = 0\nwriters = 2\n{extra}\n",
+            it.transport,
+            it.key_line(extra)
+        ),
+    )
+}
+
+/// A sender config file `file` in `dir`: sender `name` to the test host's `port`, `devices`
+/// (keys and [[device]] tables) appended.
+pub fn sender_config(
+    dir: &Path,
+    it: &It,
+    file: &str,
+    name: &str,
+    port: u16,
+    devices: &str,
+) -> PathBuf {
+    let block = if it.small { 262144 } else { 1048576 };
+    write(
+        dir,
+        file,
+        &format!(
+            "name = \"{name}\"\nreceiver = \"{}\"\ntransport = \"{}\"\nblock_size = {block}\nsend_blocks = 4\n{}{devices}",
+            it.addr(port),
+            it.transport,
+            it.key_line(devices)
+        ),
+    )
+}
+
+/// The receiver's arguments: config, listen address, output directory, --verify and
+/// --exit-after-eos.
+pub fn receiver_args<'a>(cfg: &'a Path, listen: &'a str, out: &'a Path) -> Vec<&'a str> {
+    vec![
+        "--config",
+        cfg.to_str().unwrap(),
+        "--listen",
+        listen,
+        "--out",
+        out.to_str().unwrap(),
+        "--verify",
+        "--exit-after-eos",
+    ]
+}
+
 #[allow(unused_imports)]
 pub use rdmastream_testkit::{bin, exits_ok, free_port, spawn, tail, wait, wait_for};
 
@@ -113,4 +169,118 @@ pub fn frames_written(log: &Path) -> u64 {
                 .ok()
         })
         .unwrap_or_else(|| panic!("no 'frames written' in the sender's log:\n{}", tail(log)))
+}
+
+/// `GET path` from the HTTP server at `addr` (HTTP/1.0, so the server closes when done): the
+/// status code and the body; `None` when nothing answers (not started yet, or gone).
+pub fn http_get(addr: &str, path: &str) -> Option<(u16, Vec<u8>)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut all = Vec::new();
+    s.read_to_end(&mut all).ok()?;
+    let split = all.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let code = String::from_utf8_lossy(&all[..split])
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some((code, all[split + 4..].to_vec()))
+}
+
+/// Scrapes `/metrics` at `addr` and parses it with a Prometheus text parser.
+pub fn scrape(addr: &str) -> prometheus_parse::Scrape {
+    let (code, body) = http_get(addr, "/metrics").expect("metrics server answers");
+    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    let text = String::from_utf8(body).expect("metrics are UTF-8");
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).expect("parses")
+}
+
+/// The value of the sample `name` whose labels include `labels` (counters, gauges).
+pub fn metric(s: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    s.samples
+        .iter()
+        .find(|x| x.metric == name && labels.iter().all(|(k, v)| x.labels.get(k) == Some(v)))
+        .and_then(|x| match x.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => Some(v),
+            _ => None,
+        })
+}
+
+/// The sum of `name` over every sample of it.
+pub fn metric_sum(s: &prometheus_parse::Scrape, name: &str) -> f64 {
+    s.samples
+        .iter()
+        .filter(|x| x.metric == name)
+        .filter_map(|x| match x.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => Some(v),
+            _ => None,
+        })
+        .sum()
+}
+
+/// One device's line of the receiver's end-of-run summary
+/// (`summary edge-1/d003: 96 frames received, 96 written, ...`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSummary {
+    pub received: u64,
+    pub written: u64,
+    pub missing: u64,
+    pub duplicate_frames: u64,
+    pub write_errors: u64,
+    pub unwritten: u64,
+    pub gaps: u64,
+}
+
+/// Every device's summary line in the receiver's `log`, by stream key (`edge-1/d003`).
+pub fn receiver_device_summary(log: &Path) -> std::collections::BTreeMap<String, DeviceSummary> {
+    let text = String::from_utf8_lossy(&std::fs::read(log).unwrap()).into_owned();
+    let number_after = |line: &str, label: &str| -> u64 {
+        let at = line
+            .find(label)
+            .unwrap_or_else(|| panic!("no {label:?} in {line}"));
+        line[at + label.len()..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no number after {label:?} in {line}"))
+    };
+    text.lines()
+        .filter_map(|l| {
+            let rest = &l[l.find("summary ")? + "summary ".len()..];
+            let (key, counts) = rest.split_once(": ")?;
+            let summary = DeviceSummary {
+                received: number_after(counts, ""),
+                written: number_after(counts, "received, "),
+                missing: number_after(counts, "missing "),
+                duplicate_frames: number_after(counts, "duplicate frames "),
+                write_errors: number_after(counts, "write errors "),
+                unwritten: number_after(counts, "unwritten "),
+                gaps: number_after(counts, "gaps "),
+            };
+            Some((key.to_string(), summary))
+        })
+        .collect()
+}
+
+/// A number from the receiver's overall summary line (`summary: 1372 blocks, ...`): the one
+/// right before ` <label>`, e.g. `blocks` or `connections refused`.
+pub fn receiver_total(log: &Path, label: &str) -> u64 {
+    let text = String::from_utf8_lossy(&std::fs::read(log).unwrap()).into_owned();
+    let line = text
+        .lines()
+        .find(|l| l.contains("summary: ") && l.contains(&format!(" {label}")))
+        .unwrap_or_else(|| panic!("no summary line with {label:?}:\n{}", tail(log)));
+    let before = &line[..line.find(&format!(" {label}")).unwrap()];
+    before
+        .rsplit(|c: char| !c.is_ascii_digit())
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no number before {label:?} in {line}"))
 }
