@@ -16,6 +16,9 @@ packages=(
   gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad
   # integration/tests/netfaults.rs: network namespaces (ip) and packet loss (nft).
   iproute2 nftables
+  # scripts/k8s-validate.sh and scripts/compose-demo.sh: PyPI tools (kubernetes-validate,
+  # yamllint, podman-compose) in a venv; curl for the compose demo's status-page check.
+  python3-venv curl
   # integration/tests/status_page.rs: the receiver's status page in headless Chromium.
   chromium
 )

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every check and test: formatting, clippy with warnings as errors, the whole test suite on
+# Runs every check and test: formatting, clippy with warnings as errors, the Kubernetes manifests
+# rendered and validated (scripts/k8s-validate.sh), the whole test suite on
 # the host (unit, simulator, in-process engine, the real sender/receiver processes over tcp,
 # hostile peers, network faults between two network namespaces, the metrics endpoints and the
 # receiver's status page in headless Chromium),
@@ -10,6 +11,8 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --release -- -D warnings
+# The Kubernetes manifests: both overlays rendered and every object schema-validated (no cluster).
+scripts/k8s-validate.sh
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 # As root the network-fault tests (integration/tests/netfaults.rs: namespaces, nft, tmpfs) and
