@@ -3,7 +3,8 @@
 # rendered and validated (scripts/k8s-validate.sh), the whole test suite on
 # the host (unit, simulator, in-process engine, the real sender/receiver processes over tcp,
 # hostile peers, network faults between two network namespaces, the metrics endpoints and the
-# receiver's status page in headless Chromium),
+# receiver's status page in headless Chromium), the compose demo in containers
+# (scripts/compose-demo.sh; RDMASTREAM_SKIP_COMPOSE=1 leaves it out locally),
 # then the process-level suite again over real RDMA verbs on Soft-RoCE in a VM
 # (scripts/test-vm.sh; set RDMASTREAM_SKIP_VM=1 to leave it out locally).
 set -euo pipefail
@@ -22,6 +23,11 @@ if [ "$(id -u)" = 0 ]; then export RDMASTREAM_REQUIRE_NETNS=1 RDMASTREAM_REQUIRE
 cargo test --workspace --release 2>&1 | tee "$log"
 # The element Harness tests again over the in-process `mem` transport (no sockets at all).
 RDMASTREAM_TEST_TRANSPORT=mem cargo test --release -p gst-plugin-rdma --test harness 2>&1 | tee -a "$log"
+# The compose demo in containers (Podman here), checked end to end: every sender's frames
+# arrived and verify, the processors' MP4s and mosaic open, the status page answered.
+if [ -z "${RDMASTREAM_SKIP_COMPOSE:-}" ]; then
+  scripts/compose-demo.sh "${RDMASTREAM_COMPOSE_SECONDS:-20}"
+fi
 if [ -z "${RDMASTREAM_SKIP_VM:-}" ]; then
   scripts/test-vm.sh 2>&1 | tee -a "$log"
 fi

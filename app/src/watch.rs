@@ -101,9 +101,6 @@ impl Connection for WatchedConnection {
         let r = self.inner.poll_completions(out, timeout);
         self.observe(r)
     }
-    fn read_buffer(&self) -> Vec<u8> {
-        self.inner.read_buffer()
-    }
     // The liveness check must reach the real connection (it sends heartbeats and notices a
     // silent peer).
     fn heartbeat(&mut self) -> rdmastream::Result<()> {

@@ -182,6 +182,12 @@ impl Connection for ObservedConnection {
         let r = self.inner.poll_completions(out, timeout);
         self.observe(r)
     }
+    // The liveness check must reach the real connection: it sends the heartbeats and notices
+    // a receiver (or link) that went silent.
+    fn heartbeat(&mut self) -> rdmastream::Result<()> {
+        let r = self.inner.heartbeat();
+        self.observe(r)
+    }
 }
 
 impl Drop for ObservedConnection {

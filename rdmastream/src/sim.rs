@@ -288,6 +288,10 @@ impl Connection for SimConnection {
         out.extend(self.completions.drain(..));
         Ok(())
     }
+    /// Drops are scheduled events, not silences.
+    fn heartbeat(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Frees a lossless message's last block once the sink handed the message on.

@@ -249,4 +249,8 @@ impl Connection for MemConnection {
         out.extend(self.done.drain(..));
         Ok(())
     }
+    /// In one process the receiver cannot go silent without the region closing.
+    fn heartbeat(&mut self) -> Result<()> {
+        Ok(())
+    }
 }

@@ -109,9 +109,8 @@ pub trait Connection: Send {
     /// Keeps the connection's liveness check going; called by the sending thread every time
     /// round its loop. Sends a heartbeat when one is due, and fails when the receiver has not
     /// been heard from for the peer timeout (a dead machine or link, a half-open connection).
-    fn heartbeat(&mut self) -> Result<()> {
-        Ok(())
-    }
+    /// No default: a wrapper that forgot to pass it on would silently turn liveness off.
+    fn heartbeat(&mut self) -> Result<()>;
 }
 
 /// How long a peer may stay silent before its connection is given up, unless configured.
