@@ -3,8 +3,8 @@
 //! process, the paper's multi-device shared QP. Each element leases one device number on it.
 //!
 //! The core's sending thread connects and reconnects by itself; to tell the elements what it is
-//! doing (connected, failed, lost, refused) the connector it gets is wrapped in an observer
-//! ([`ObservedConnector`]) that records every outcome in a [`LinkState`].
+//! doing (connected, failed, lost, refused) the connector it gets is wrapped
+//! ([`rdmastream::transport::observe`]) so every outcome is recorded in a [`LinkState`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,10 +13,9 @@ use std::time::Duration;
 
 use rdmastream::engine::SourceFrame;
 use rdmastream::engine::{DeviceInput, SenderHandle, SenderOptions};
-use rdmastream::proto::RemoteLayout;
-use rdmastream::proto::handshake::{Hello, Key};
 use rdmastream::stats::DeviceCounters;
-use rdmastream::transport::{Completion, Connection, Connector, RemoteAddr, SendBlocks, WriteWr};
+use rdmastream::transport::observe::{ConnectionObserver, observed};
+use rdmastream::transport::{Connection, SendBlocks};
 
 use crate::transport::{self, Transport, VerbsSettings};
 
@@ -80,119 +79,39 @@ impl LinkState {
     }
 }
 
-/// Wraps the core's connector to record each outcome in a [`LinkState`].
-struct ObservedConnector {
-    inner: Box<dyn Connector>,
-    link: Arc<LinkState>,
-}
-
-impl Connector for ObservedConnector {
-    fn transport(&self) -> &'static str {
-        self.inner.transport()
-    }
-
-    fn peer(&self) -> String {
-        self.inner.peer()
-    }
-
-    fn alloc_send_blocks(
-        &self,
-        count: usize,
-        block_size: usize,
-    ) -> rdmastream::Result<Arc<SendBlocks>> {
-        self.inner.alloc_send_blocks(count, block_size)
-    }
-
-    fn connect(
-        &self,
-        hello: &Hello,
-        key: Option<&Key>,
-        blocks: &Arc<SendBlocks>,
-    ) -> rdmastream::Result<Box<dyn Connection>> {
-        match self.inner.connect(hello, key, blocks) {
-            Ok(conn) => {
-                let (offered, own) = (conn.layout().block_size, blocks.block_size());
-                // A sender's blocks must fit the receiver's (smaller ones are fine). Refusing
-                // here stops the sending thread with a message saying what to set.
-                if offered < own {
-                    let reason = format!(
-                        "the receiver uses {offered}-byte blocks, smaller than this sender's \
-                         {own}: set block-size={offered} or less"
-                    );
-                    let e = rdmastream::Error::Refused {
-                        peer: conn.peer().to_string(),
-                        reason,
-                    };
-                    self.link.failed(e.to_string(), true);
-                    return Err(e);
-                }
-                self.link.connected();
-                Ok(Box::new(ObservedConnection {
-                    inner: conn,
-                    link: self.link.clone(),
-                }))
-            }
-            Err(e) => {
-                let fatal = matches!(
-                    e,
-                    rdmastream::Error::Refused { .. } | rdmastream::Error::Auth { .. }
-                );
-                self.link.failed(e.to_string(), fatal);
-                Err(e)
-            }
+/// Records each outcome of the core's connections: connected, refused (fatal), lost, closed.
+impl ConnectionObserver for LinkState {
+    fn connected(&self, conn: &dyn Connection, blocks: &SendBlocks) -> rdmastream::Result<()> {
+        let (offered, own) = (conn.layout().block_size, blocks.block_size());
+        // A sender's blocks must fit the receiver's (smaller ones are fine). Refusing here stops
+        // the sending thread with a message saying what to set.
+        if offered < own {
+            let reason = format!(
+                "the receiver uses {offered}-byte blocks, smaller than this sender's {own}: set \
+                 block-size={offered} or less"
+            );
+            let e = rdmastream::Error::Refused {
+                peer: conn.peer().to_string(),
+                reason,
+            };
+            self.failed(e.to_string(), true);
+            return Err(e);
         }
+        LinkState::connected(self);
+        Ok(())
     }
-}
-
-/// Wraps one connection to record its loss.
-struct ObservedConnection {
-    inner: Box<dyn Connection>,
-    link: Arc<LinkState>,
-}
-
-impl ObservedConnection {
-    fn observe<T>(&self, r: rdmastream::Result<T>) -> rdmastream::Result<T> {
-        if let Err(e) = &r {
-            self.link.failed(e.to_string(), false);
-        }
-        r
+    fn connect_failed(&self, e: &rdmastream::Error) {
+        let fatal = matches!(
+            e,
+            rdmastream::Error::Refused { .. } | rdmastream::Error::Auth { .. }
+        );
+        self.failed(e.to_string(), fatal);
     }
-}
-
-impl Connection for ObservedConnection {
-    fn peer(&self) -> &str {
-        self.inner.peer()
+    fn lost(&self, e: &rdmastream::Error) {
+        self.failed(e.to_string(), false);
     }
-    fn layout(&self) -> RemoteLayout {
-        self.inner.layout()
-    }
-    fn post_write_chain(&mut self, wr_id: u64, chain: &[WriteWr<'_>]) -> rdmastream::Result<()> {
-        let r = self.inner.post_write_chain(wr_id, chain);
-        self.observe(r)
-    }
-    fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> rdmastream::Result<()> {
-        let r = self.inner.post_read(wr_id, remote, len);
-        self.observe(r)
-    }
-    fn poll_completions(
-        &mut self,
-        out: &mut Vec<Completion>,
-        timeout: Duration,
-    ) -> rdmastream::Result<()> {
-        let r = self.inner.poll_completions(out, timeout);
-        self.observe(r)
-    }
-    // The liveness check must reach the real connection: it sends the heartbeats and notices
-    // a receiver (or link) that went silent.
-    fn heartbeat(&mut self) -> rdmastream::Result<()> {
-        let r = self.inner.heartbeat();
-        self.observe(r)
-    }
-}
-
-impl Drop for ObservedConnection {
-    fn drop(&mut self) {
-        self.link.closed();
+    fn closed(&self) {
+        LinkState::closed(self);
     }
 }
 
@@ -265,21 +184,19 @@ impl DeviceLease {
                     req.opts.max_outstanding,
                 )?;
                 let link = Arc::new(LinkState::default());
-                let connector = ObservedConnector {
-                    inner,
-                    link: link.clone(),
-                };
+                let connector = observed(inner, link.clone());
                 let block_size = req.opts.block_size;
                 let opts = SenderOptions {
                     name: req.key.name.clone(),
                     ..req.opts
                 };
-                let handle = SenderHandle::start(opts, Box::new(connector), QUEUE_DEPTH).map_err(
-                    |source| crate::Error::Transport {
-                        what: format!("cannot start sending to {}", req.key.peer),
-                        source,
-                    },
-                )?;
+                let handle =
+                    SenderHandle::start(opts, connector, QUEUE_DEPTH).map_err(|source| {
+                        crate::Error::Transport {
+                            what: format!("cannot start sending to {}", req.key.peer),
+                            source,
+                        }
+                    })?;
                 let shared = Arc::new(SharedSender {
                     key: req.key.clone(),
                     handle: Mutex::new(Some(handle)),

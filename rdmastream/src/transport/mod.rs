@@ -17,6 +17,7 @@
 
 pub mod access;
 pub mod mem;
+pub mod observe;
 pub mod region;
 pub mod tcp;
 

@@ -1,0 +1,119 @@
+//! A connector that tells an observer how its connections fare (connected, refused, lost,
+//! closed) and otherwise hands every call on unchanged. The binaries use it for readiness and
+//! the `rdmastream_connected` metric, the elements for their link state and bus messages.
+//!
+//! What it does not do: it never retries or changes a call's result, except that an observer
+//! may refuse a connection that came up ([`ConnectionObserver::connected`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Completion, Connection, Connector, RemoteAddr, SendBlocks, WriteWr};
+use crate::error::{Error, Result};
+use crate::proto::RemoteLayout;
+use crate::proto::handshake::{Hello, Key};
+
+/// What a watcher of a connector's connections is told.
+pub trait ConnectionObserver: Send + Sync {
+    /// A connection came up with send blocks `blocks`; an error refuses it (the connect fails
+    /// with that error, and [`Self::connect_failed`] is not called for it).
+    fn connected(&self, conn: &dyn Connection, blocks: &SendBlocks) -> Result<()>;
+    /// Connecting failed.
+    fn connect_failed(&self, error: &Error);
+    /// A call on an up connection failed: it is gone.
+    fn lost(&self, error: &Error);
+    /// The connection was dropped.
+    fn closed(&self);
+}
+
+/// Wraps `inner` so `observer` follows its connections.
+pub fn observed(
+    inner: Box<dyn Connector>,
+    observer: Arc<dyn ConnectionObserver>,
+) -> Box<dyn Connector> {
+    Box::new(ObservedConnector { inner, observer })
+}
+
+struct ObservedConnector {
+    inner: Box<dyn Connector>,
+    observer: Arc<dyn ConnectionObserver>,
+}
+
+impl Connector for ObservedConnector {
+    fn transport(&self) -> &'static str {
+        self.inner.transport()
+    }
+    fn peer(&self) -> String {
+        self.inner.peer()
+    }
+    fn alloc_send_blocks(&self, count: usize, block_size: usize) -> Result<Arc<SendBlocks>> {
+        self.inner.alloc_send_blocks(count, block_size)
+    }
+    fn connect(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn Connection>> {
+        match self.inner.connect(hello, key, blocks) {
+            Ok(conn) => {
+                self.observer.connected(conn.as_ref(), blocks)?;
+                Ok(Box::new(ObservedConnection {
+                    inner: conn,
+                    observer: self.observer.clone(),
+                }))
+            }
+            Err(e) => {
+                self.observer.connect_failed(&e);
+                Err(e)
+            }
+        }
+    }
+}
+
+struct ObservedConnection {
+    inner: Box<dyn Connection>,
+    observer: Arc<dyn ConnectionObserver>,
+}
+
+impl ObservedConnection {
+    fn observe<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.observer.lost(e);
+        }
+        r
+    }
+}
+
+impl Connection for ObservedConnection {
+    fn peer(&self) -> &str {
+        self.inner.peer()
+    }
+    fn layout(&self) -> RemoteLayout {
+        self.inner.layout()
+    }
+    fn post_write_chain(&mut self, wr_id: u64, chain: &[WriteWr<'_>]) -> Result<()> {
+        let r = self.inner.post_write_chain(wr_id, chain);
+        self.observe(r)
+    }
+    fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()> {
+        let r = self.inner.post_read(wr_id, remote, len);
+        self.observe(r)
+    }
+    fn poll_completions(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<()> {
+        let r = self.inner.poll_completions(out, timeout);
+        self.observe(r)
+    }
+    // The liveness check must reach the real connection: it sends the heartbeats and notices
+    // a receiver (or link) that went silent.
+    fn heartbeat(&mut self) -> Result<()> {
+        let r = self.inner.heartbeat();
+        self.observe(r)
+    }
+}
+
+impl Drop for ObservedConnection {
+    fn drop(&mut self) {
+        self.observer.closed();
+    }
+}
