@@ -36,4 +36,7 @@ if ((${#missing[@]})); then
     exit 1
   fi
 fi
+# Chromium's first start builds the font cache when it is stale (minutes on this machine once,
+# inside the browser test); build it here instead. Fast when it is up to date.
+if command -v fc-cache >/dev/null 2>&1; then fc-cache >/dev/null 2>&1 || true; fi
 command -v cargo >/dev/null 2>&1 || { echo "setup: cargo (Rust 1.95) is required" >&2; exit 1; }

@@ -59,7 +59,8 @@ fn run_chromium(chrome: &Path, profile: &Path, url: &str, args: &[&str], budget_
         std::io::Read::read_to_string(&mut err, &mut s).ok();
         s
     });
-    let deadline = Instant::now() + Duration::from_secs(300);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(300);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
@@ -76,6 +77,7 @@ fn run_chromium(chrome: &Path, profile: &Path, url: &str, args: &[&str], budget_
     };
     let (out, err) = (out.join().unwrap(), err.join().unwrap());
     assert!(status.success(), "chromium failed ({status}): {err}");
+    eprintln!("chromium {args:?} took {:.1} s", started.elapsed().as_secs_f64());
     out
 }
 
