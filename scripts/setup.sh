@@ -36,7 +36,7 @@ if ((${#missing[@]})); then
     exit 1
   fi
 fi
-# Chromium's first start builds the font cache when it is stale (minutes on this machine once,
-# inside the browser test); build it here instead. Fast when it is up to date.
+# A stale font cache is rebuilt by Chromium's first start, inside the browser test (one first
+# start there took minutes; the cache is a likely cause). Build it here. Fast when up to date.
 if command -v fc-cache >/dev/null 2>&1; then fc-cache >/dev/null 2>&1 || true; fi
 command -v cargo >/dev/null 2>&1 || { echo "setup: cargo (Rust 1.95) is required" >&2; exit 1; }
