@@ -77,7 +77,10 @@ fn run_chromium(chrome: &Path, profile: &Path, url: &str, args: &[&str], budget_
     };
     let (out, err) = (out.join().unwrap(), err.join().unwrap());
     assert!(status.success(), "chromium failed ({status}): {err}");
-    eprintln!("chromium {args:?} took {:.1} s", started.elapsed().as_secs_f64());
+    eprintln!(
+        "chromium {args:?} took {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     out
 }
 

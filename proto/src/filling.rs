@@ -41,36 +41,12 @@ pub struct Message {
     pub downgraded: bool,
 }
 
-/// Why a message could not be planned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PlanError {
-    /// The device is not streaming (never added, waiting, or ended).
-    NotStreaming { device: u8 },
-    /// The message needs more than 65535 blocks.
-    TooLarge { device: u8, len: usize },
-}
-
-impl std::fmt::Display for PlanError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PlanError::NotStreaming { device } => write!(f, "device {device} is not streaming"),
-            PlanError::TooLarge { device, len } => {
-                write!(
-                    f,
-                    "device {device}: a {len}-byte message needs more than 65535 blocks"
-                )
-            }
-        }
-    }
-}
-
-impl std::error::Error for PlanError {}
-
 /// A frame's plan: its device's format first when it must be (re)sent, then the frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FramePlan {
     pub format: Option<Message>,
-    pub frame: Result<Message, PlanError>,
+    /// `None` when the frame needs more than 65535 blocks (it cannot be sent).
+    pub frame: Option<Message>,
 }
 
 #[derive(Debug)]
@@ -158,6 +134,10 @@ impl FillingMachine {
 
     /// Plans frame `index` of `device` (`len` payload bytes) in format `format`, with the
     /// device's format ahead of it when it must be (re)sent.
+    ///
+    /// # Panics
+    /// If `device` is not streaming ([`Self::is_streaming`]): only a streaming device's queue
+    /// is read.
     pub fn frame(
         &mut self,
         device: u8,
@@ -165,12 +145,9 @@ impl FillingMachine {
         index: u64,
         len: usize,
         times: MessageTimes,
-    ) -> Result<FramePlan, PlanError> {
+    ) -> FramePlan {
         let drops = self.drops;
-        let dev = self
-            .streaming
-            .get(&device)
-            .ok_or(PlanError::NotStreaming { device })?;
+        let dev = self.device(device);
         let resend = dev.format.as_deref() != Some(format) || dev.format_epoch != drops;
         let format_msg = if resend {
             let dev = self.streaming.get_mut(&device).expect("checked above");
@@ -184,36 +161,37 @@ impl FillingMachine {
                 format.len(),
                 MessageTimes::at(times.timestamp_ns),
             )
-            .ok()
         } else {
             None
         };
-        Ok(FramePlan {
+        FramePlan {
             format: format_msg,
             frame: self.plan(device, MessageKind::Frame, index, len, times),
-        })
+        }
+    }
+
+    fn device(&self, device: u8) -> &Streaming {
+        self.streaming
+            .get(&device)
+            .unwrap_or_else(|| panic!("device {device} is not streaming"))
     }
 
     /// Plans `device`'s end of stream. Returns the message and, when the same number was added
     /// again meanwhile, `Some(reliable)` of the device that streams under it from now on.
-    pub fn end(
-        &mut self,
-        device: u8,
-        timestamp_ns: u64,
-    ) -> Result<(Message, Option<bool>), PlanError> {
-        let next = self
-            .streaming
-            .get(&device)
-            .ok_or(PlanError::NotStreaming { device })?
-            .numbering
-            .next_frame();
-        let msg = self.plan(
-            device,
-            MessageKind::EndOfStream,
-            next,
-            0,
-            MessageTimes::at(timestamp_ns),
-        )?;
+    ///
+    /// # Panics
+    /// If `device` is not streaming.
+    pub fn end(&mut self, device: u8, timestamp_ns: u64) -> (Message, Option<bool>) {
+        let next = self.device(device).numbering.next_frame();
+        let msg = self
+            .plan(
+                device,
+                MessageKind::EndOfStream,
+                next,
+                0,
+                MessageTimes::at(timestamp_ns),
+            )
+            .expect("an end of stream fits one block");
         let gone = self.streaming.remove(&device).expect("checked above");
         let resumed = match self.waiting.iter().position(|(d, _)| *d == device) {
             Some(k) => {
@@ -226,7 +204,7 @@ impl FillingMachine {
                 None
             }
         };
-        Ok((msg, resumed))
+        (msg, resumed)
     }
 
     fn plan(
@@ -236,20 +214,19 @@ impl FillingMachine {
         index: u64,
         len: usize,
         times: MessageTimes,
-    ) -> Result<Message, PlanError> {
+    ) -> Option<Message> {
         let (block_size, send_blocks) = (self.block_size, self.send_blocks);
         let dev = self
             .streaming
             .get_mut(&device)
-            .ok_or(PlanError::NotStreaming { device })?;
+            .unwrap_or_else(|| panic!("device {device} is not streaming"));
         let headers = dev
             .numbering
-            .plan(device, kind, Some(index), len, block_size, times)
-            .ok_or(PlanError::TooLarge { device, len })?;
+            .plan(device, kind, Some(index), len, block_size, times)?;
         // A lossless message is kept whole in the send blocks until the receiver confirms it;
         // one that needs all of them could never be completed.
         let keepable = headers.len() < send_blocks;
-        Ok(Message {
+        Some(Message {
             device,
             kind,
             headers,
@@ -267,7 +244,7 @@ mod tests {
     const BLOCK: usize = 256;
 
     fn frame(m: &mut FillingMachine, dev: u8, fmt: &str, index: u64) -> FramePlan {
-        m.frame(dev, fmt, index, 10, MessageTimes::at(1)).unwrap()
+        m.frame(dev, fmt, index, 10, MessageTimes::at(1))
     }
 
     #[test]
@@ -292,15 +269,11 @@ mod tests {
         let mut m = FillingMachine::new(BLOCK, 4, 0);
         m.add_device(2, false);
         frame(&mut m, 2, "a", 0);
-        let (end, resumed) = m.end(2, 5).unwrap();
+        let (end, resumed) = m.end(2, 5);
         assert_eq!(end.kind, MessageKind::EndOfStream);
         assert_eq!(end.headers[0].packet, 2);
         assert_eq!(resumed, None);
         assert!(!m.is_streaming(2));
-        assert_eq!(
-            m.frame(2, "a", 0, 1, MessageTimes::at(0)),
-            Err(PlanError::NotStreaming { device: 2 })
-        );
         assert_eq!(m.add_device(2, false), Added::Streaming);
         let p = frame(&mut m, 2, "a", 0);
         assert_eq!(
@@ -316,7 +289,7 @@ mod tests {
         m.add_device(3, false);
         frame(&mut m, 3, "a", 0);
         assert_eq!(m.add_device(3, true), Added::Waiting);
-        let (end, resumed) = m.end(3, 0).unwrap();
+        let (end, resumed) = m.end(3, 0);
         assert!(!end.reliable);
         assert_eq!(resumed, Some(true));
         assert!(m.is_streaming(3));
@@ -331,21 +304,13 @@ mod tests {
         let cap = crate::header::payload_capacity(BLOCK);
         let mut m = FillingMachine::new(BLOCK, 3, 0);
         m.add_device(1, true);
-        let small = m.frame(1, "a", 0, cap * 2, MessageTimes::at(0)).unwrap();
+        let small = m.frame(1, "a", 0, cap * 2, MessageTimes::at(0));
         let small = small.frame.unwrap();
         assert!(small.reliable && !small.downgraded);
-        let big = m.frame(1, "a", 1, cap * 3, MessageTimes::at(0)).unwrap();
+        let big = m.frame(1, "a", 1, cap * 3, MessageTimes::at(0));
         let big = big.frame.unwrap();
         assert!(!big.reliable && big.downgraded);
-        let huge = m
-            .frame(1, "a", 2, cap * 70_000, MessageTimes::at(0))
-            .unwrap();
-        assert_eq!(
-            huge.frame,
-            Err(PlanError::TooLarge {
-                device: 1,
-                len: cap * 70_000
-            })
-        );
+        let huge = m.frame(1, "a", 2, cap * 70_000, MessageTimes::at(0));
+        assert_eq!(huge.frame, None, "more than 65535 blocks");
     }
 }

@@ -23,7 +23,7 @@ pub mod session;
 
 pub use ack::Ack;
 pub use budget::{Budget, Reservation};
-pub use filling::{Added, FillingMachine, FramePlan, Message, PlanError};
+pub use filling::{Added, FillingMachine, FramePlan, Message};
 pub use format::Format;
 pub use header::{
     BlockError, BlockHeader, HEADER_LEN, NO_PTS, OVERHEAD, TRAILER_LEN, payload_capacity, status,

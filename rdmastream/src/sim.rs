@@ -822,8 +822,7 @@ impl Pair {
                 let format = d.format_of(f);
                 let plan = self
                     .filling
-                    .frame(d.id, &format, f, d.frame_len, MessageTimes::at(ts))
-                    .expect("the source's device streams");
+                    .frame(d.id, &format, f, d.frame_len, MessageTimes::at(ts));
                 if let Some(m) = plan.format {
                     self.pending.push_back((m, format.into_bytes(), 0));
                 }
@@ -832,7 +831,7 @@ impl Pair {
                     .push_back((frame, payload(d.id, f, d.frame_len), 0));
             }
             Queued::End => {
-                let (end, resumed) = self.filling.end(d.id, ts).expect("streaming");
+                let (end, resumed) = self.filling.end(d.id, ts);
                 self.pending.push_back((end, Vec::new(), 0));
                 self.streaming.remove(&d.id);
                 self.ended_sources += 1;

@@ -15,8 +15,8 @@ use super::SourceFrame;
 use crate::error::{Error, Result, spawn};
 use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
-    Added, Delivery, FillingMachine, Message, MessageKind, MessageTimes, NO_PTS, PlanError,
-    SenderMachine, SenderStats, fragment_range,
+    Added, Delivery, FillingMachine, Message, MessageKind, MessageTimes, NO_PTS, SenderMachine,
+    SenderStats, fragment_range,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
 use crate::transport::{Connection, Connector, SendBlocks};
@@ -402,13 +402,14 @@ fn filling_thread(
         }
     };
     // Copies one planned message into send blocks and hands them to the sending thread.
-    let fill = |msg: Result<Message, PlanError>, payload: &[u8], timestamp_ns: u64| -> bool {
-        let msg = match msg {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::error!("{e}; dropped");
-                return true;
-            }
+    let fill = |msg: Option<Message>, device: u8, payload: &[u8], timestamp_ns: u64| -> bool {
+        let Some(msg) = msg else {
+            tracing::error!(
+                device,
+                len = payload.len(),
+                "message too large for 65535 blocks; dropped"
+            );
+            return true;
         };
         if msg.downgraded {
             crate::warn_limited!(
@@ -492,28 +493,20 @@ fn filling_thread(
                     duration_ns: f.duration_ns,
                     pts_ns: f.pts_ns.unwrap_or(NO_PTS),
                 };
-                match machine.frame(device, &f.format, f.index, f.data.len(), times) {
-                    Ok(plan) => {
-                        plan.format
-                            .is_none_or(|m| fill(Ok(m), f.format.as_bytes(), f.timestamp_ns))
-                            && fill(plan.frame, &f.data, f.timestamp_ns)
-                    }
-                    Err(e) => fill(Err(e), &[], 0),
-                }
+                let plan = machine.frame(device, &f.format, f.index, f.data.len(), times);
+                plan.format
+                    .is_none_or(|m| fill(Some(m), device, f.format.as_bytes(), f.timestamp_ns))
+                    && fill(plan.frame, device, &f.data, f.timestamp_ns)
             }
             Msg::End => {
                 queues.remove(pos);
-                match machine.end(device, unix_now_ns()) {
-                    Ok((end, resumed)) => {
-                        if resumed.is_some()
-                            && let Some(k) = waiting.iter().position(|(d, _)| *d == device)
-                        {
-                            queues.push(waiting.remove(k));
-                        }
-                        fill(Ok(end), &[], 0)
-                    }
-                    Err(e) => fill(Err(e), &[], 0),
+                let (end, resumed) = machine.end(device, unix_now_ns());
+                if resumed.is_some()
+                    && let Some(k) = waiting.iter().position(|(d, _)| *d == device)
+                {
+                    queues.push(waiting.remove(k));
                 }
+                fill(Some(end), device, &[], 0)
             }
         };
         if !ok {
