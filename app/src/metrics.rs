@@ -19,6 +19,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
 
 use rdmastream::stats::{DeviceCounters, Histogram, get};
+use rdmastream::transport::RefusalKind;
 
 use crate::monitor::{Engine, Monitor, Role};
 
@@ -28,21 +29,6 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 /// Upper bounds of the latency histogram's buckets, in seconds.
 const LATENCY_BOUNDS: [f64; 16] = [
     0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
-];
-
-/// Every reason a connection can be refused (`RefusalKind::name`), so each has a series from
-/// the start (a rate over a series that appears mid-run misses its first increase).
-const REFUSAL_REASONS: [&str; 10] = [
-    "bad-handshake",
-    "version",
-    "wrong-transport",
-    "authentication",
-    "name-in-use",
-    "sender-limit",
-    "memory-budget",
-    "handshake-limit",
-    "lost",
-    "resources",
 ];
 
 /// Renders `monitor`'s metrics as OpenMetrics text ([`CONTENT_TYPE`]).
@@ -320,8 +306,11 @@ impl Collector for MonitorCollector {
                         None,
                         MetricType::Counter,
                     )?;
-                    let mut reasons: Vec<&str> = REFUSAL_REASONS.to_vec();
-                    reasons.extend(e.refused.keys().filter(|k| !REFUSAL_REASONS.contains(k)));
+                    // Every reason has a series from the start (a rate over a series that
+                    // appears mid-run misses its first increase).
+                    let all: Vec<&str> = RefusalKind::ALL.iter().map(|k| k.name()).collect();
+                    let mut reasons = all.clone();
+                    reasons.extend(e.refused.keys().filter(|k| !all.contains(k)));
                     for reason in reasons {
                         let l = [("reason", reason)];
                         let n = e.refused.get(reason).copied().unwrap_or(0);

@@ -345,6 +345,7 @@ fn raw_hello(sender: &str) -> rdmastream::proto::handshake::Hello {
         sender: sender.into(),
         nonce: [0; 32],
         session: 9,
+        block_size: 0,
         data_path: rdmastream::proto::handshake::DataPath::Tcp,
         qp: Default::default(),
     }

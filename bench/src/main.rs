@@ -197,6 +197,7 @@ fn transport_rate(
         sender: "bench".into(),
         nonce: [0; 32],
         session: 1,
+        block_size: 0,
         data_path: DataPath::Tcp,
         qp: QpInfo::default(),
     };
@@ -453,6 +454,7 @@ fn sync_latency(n: usize, iters: usize, settings: &VerbsSettings) -> (f64, f64) 
         sender: "lat".into(),
         nonce: [0; 32],
         session: 2,
+        block_size: 0,
         data_path: DataPath::Verbs,
         qp: QpInfo::default(),
     };

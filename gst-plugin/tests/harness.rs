@@ -743,8 +743,17 @@ fn stopping_a_source_waiting_for_frames_never_hangs() {
 fn a_block_size_larger_than_the_receivers_is_an_error_saying_what_to_set() {
     init();
     let port = free_port();
-    let _rx = src(port, 0, &[]);
-    let e = sink_element(port, 0, &[("block-size", (2u32 << 20).to_value())]);
+    let rx_element = src_element(port, 0, &[]);
+    let rx_bus = bus_of(&rx_element);
+    let _rx = src_harness(&rx_element);
+    let e = sink_element(
+        port,
+        0,
+        &[
+            ("block-size", (2u32 << 20).to_value()),
+            ("sender-name", "big-blocks".to_value()),
+        ],
+    );
     let bus = bus_of(&e);
     let mut tx = sink_harness(&e, GRAY);
     wait_for("the sink to fail", || {
@@ -755,7 +764,21 @@ fn a_block_size_larger_than_the_receivers_is_an_error_saying_what_to_set() {
         .expect("an error message");
     let text = error_text(&msg);
     assert!(
-        text.contains(&format!("{}:{port}", host())) && text.contains("block-size=1048576"),
+        text.contains(&format!("{}:{port}", host())) && text.contains("1048576 or less"),
+        "{text}"
+    );
+    // The source says so too: the receiver refused the sender, naming it and the sizes.
+    let msg = rx_bus
+        .timed_pop_filtered(
+            gst::ClockTime::from_seconds(DEADLINE.as_secs()),
+            &[gst::MessageType::Warning],
+        )
+        .expect("a warning from the source");
+    let text = error_text(&msg);
+    assert!(
+        text.contains("Refused a connection from")
+            && text.contains("'big-blocks'")
+            && text.contains("2097152-byte blocks"),
         "{text}"
     );
 }

@@ -66,6 +66,9 @@ pub struct Hello {
     pub sender: String,
     /// Random per sender process: a new session is a new stream of frames at the receiver.
     pub session: u64,
+    /// The sender's block size: a receiver whose blocks are smaller refuses it, so both ends
+    /// know why. 0: not stated (tools and tests that never write a block).
+    pub block_size: u32,
     pub data_path: DataPath,
     pub qp: QpInfo,
     /// Fresh random bytes of this handshake (makes the receiver's proof fresh).
@@ -246,6 +249,7 @@ impl Hello {
         out.extend_from_slice(&self.version.to_le_bytes());
         put_str(&mut out, &self.sender);
         out.extend_from_slice(&self.session.to_le_bytes());
+        out.extend_from_slice(&self.block_size.to_le_bytes());
         out.push(self.data_path as u8);
         put_qp(&mut out, &self.qp);
         out.extend_from_slice(&self.nonce);
@@ -261,6 +265,7 @@ impl Hello {
             return Err(HandshakeError::BadField("sender name"));
         }
         let session = r.u64()?;
+        let block_size = r.u32()?;
         let data_path = match r.u8()? {
             0 => DataPath::Tcp,
             1 => DataPath::Verbs,
@@ -273,6 +278,7 @@ impl Hello {
             version,
             sender,
             session,
+            block_size,
             data_path,
             qp,
             nonce,
@@ -499,6 +505,7 @@ mod tests {
             version: PROTOCOL_VERSION,
             sender: "edge-1".into(),
             session: 42,
+            block_size: 4096,
             data_path: DataPath::Verbs,
             qp: QpInfo {
                 qpn: 17,

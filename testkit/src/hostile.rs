@@ -61,6 +61,7 @@ pub fn hello(name: &str, session: u64) -> Hello {
         version: PROTOCOL_VERSION,
         sender: name.into(),
         session,
+        block_size: 0,
         data_path: DataPath::Tcp,
         qp: QpInfo::default(),
         nonce: [0x42; NONCE_LEN],

@@ -917,6 +917,7 @@ mod isolation_tests {
             version: rdmastream::proto::handshake::PROTOCOL_VERSION,
             sender: name.into(),
             session: 1,
+            block_size: 0,
             data_path: DataPath::Verbs,
             qp: qp_info(&qp.handshake_info()),
             nonce: [0; 32],

@@ -570,6 +570,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
         version: PROTOCOL_VERSION,
         sender: t.opts.name.clone(),
         session: u64::from_le_bytes(crate::transport::tcp::random_bytes()),
+        block_size: t.blocks.block_size() as u32,
         data_path: DataPath::Tcp,
         qp: QpInfo::default(),
         nonce: [0; NONCE_LEN],

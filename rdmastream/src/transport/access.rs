@@ -239,6 +239,7 @@ mod tests {
             version: PROTOCOL_VERSION,
             sender: name.into(),
             session,
+            block_size: 0,
             data_path: DataPath::Tcp,
             qp: QpInfo::default(),
             nonce: [0; 32],

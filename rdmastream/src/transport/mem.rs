@@ -144,7 +144,6 @@ impl Connector for MemConnector {
             }
         }
         let lease = settings
-            .access
             .admit(hello, &peer)
             .map_err(|(kind, why)| refused_as(kind, why))?;
         let memory = settings

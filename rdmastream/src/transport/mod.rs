@@ -197,6 +197,27 @@ impl RegionSettings {
             .saturating_add(self.blocks)
     }
 
+    /// Admits an authenticated sender: its blocks must fit this receiver's (a sender that states
+    /// a larger block size is refused with a reason both ends report), then the access rules
+    /// ([`AccessControl::admit`]: one connection per name, the sender cap).
+    pub fn admit(
+        &self,
+        hello: &Hello,
+        peer: &str,
+    ) -> std::result::Result<access::Lease, (RefusalKind, String)> {
+        if hello.block_size as usize > self.block_size {
+            return Err((
+                RefusalKind::BlockSize,
+                format!(
+                    "sender '{}' uses {}-byte blocks, larger than this receiver's {}: set its \
+                     block size to {} or less",
+                    hello.sender, hello.block_size, self.block_size, self.block_size
+                ),
+            ));
+        }
+        self.access.admit(hello, peer)
+    }
+
     /// Reserves one sender's memory from the budget: its region, and its share for
     /// reassembly. `Err` is the refusal.
     pub fn reserve_region(&self) -> std::result::Result<SenderMemory, (RefusalKind, String)> {
@@ -296,6 +317,8 @@ pub enum RefusalKind {
     Lost,
     /// The receiver could not set up what the connection needs (RDMA resources, a thread).
     Resources,
+    /// The sender's blocks are larger than the receiver's.
+    BlockSize,
 }
 
 impl RefusalKind {
@@ -312,8 +335,24 @@ impl RefusalKind {
             RefusalKind::HandshakeLimit => "handshake-limit",
             RefusalKind::Lost => "lost",
             RefusalKind::Resources => "resources",
+            RefusalKind::BlockSize => "block-size",
         }
     }
+
+    /// Every kind, for counters that list each from the start.
+    pub const ALL: [RefusalKind; 11] = [
+        RefusalKind::BadHandshake,
+        RefusalKind::Version,
+        RefusalKind::WrongTransport,
+        RefusalKind::Authentication,
+        RefusalKind::NameInUse,
+        RefusalKind::SenderLimit,
+        RefusalKind::MemoryBudget,
+        RefusalKind::HandshakeLimit,
+        RefusalKind::Lost,
+        RefusalKind::Resources,
+        RefusalKind::BlockSize,
+    ];
 }
 
 impl std::fmt::Display for RefusalKind {

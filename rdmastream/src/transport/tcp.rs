@@ -391,7 +391,7 @@ pub fn server_handshake<T>(
             }
         }
     };
-    let lease = match settings.access.admit(&hello, &peer) {
+    let lease = match settings.admit(&hello, &peer) {
         Ok(l) => l,
         Err((kind, why)) => return Err(refuse(stream, &peer, kind, why)),
     };
