@@ -34,8 +34,9 @@
 //! follows. A sink stopped without EOS ends its device's stream as well (the receiver sees
 //! end-of-stream, not a lost sender); only a lost connection leaves the receiver waiting.
 //!
-//! `block-size` must not exceed the receiver's (the element says so when it does); a smaller one
-//! leaves the rest of each receiver block unused.
+//! `block-size` must not exceed the receiver's: the receiver refuses a larger one, the element
+//! fails saying what to set, and the receiver's side reports the refusal too (`rdmasrc` posts a
+//! warning naming this sender). A smaller one leaves the rest of each receiver block unused.
 //!
 //! Frames dropped under `drop-policy=drop-oldest` post QoS messages; the `stats` structure is
 //! posted as an element message every `stats-interval` ms, and with `metrics=127.0.0.1:9100`

@@ -34,8 +34,8 @@
 //!
 //! ## A sender that is refused
 //!
-//! A connection the shared listener turns away (wrong or missing `key`, wrong transport, a malformed
-//! handshake) is a warning message on every `rdmasrc` of that listener, naming the peer's address
+//! A connection the shared listener turns away (wrong or missing `key`, wrong transport, a sender
+//! whose `block-size` is larger than this listener's, a malformed handshake) is a warning message on every `rdmasrc` of that listener, naming the peer's address
 //! and the reason. It is not an error: the other senders keep streaming. A second sender of the
 //! element's `device-id` (without `sender-name`) is a warning too, naming both senders: the
 //! element follows the first.
