@@ -26,9 +26,37 @@ fn chromium() -> Option<PathBuf> {
 }
 
 /// Runs headless Chromium on `url` with `args` (e.g. `--dump-dom`), giving the page's scripts
-/// `budget_ms` of virtual time; returns its stdout. A Chromium that hangs is killed after a
-/// deadline meant for hangs, not for slow machines.
+/// `budget_ms` of virtual time; returns its stdout.
+///
+/// A Chromium that sits for a minute is killed and started again, at most three times: in two
+/// CI runs on this machine its first start idled for 224 s and for about 300 s at no CPU (never
+/// reproduced by hand, where a run takes about 1 s): Chromium waiting on itself, not the page
+/// being slow. Each hang is reported with the end of Chromium's stderr.
 fn run_chromium(chrome: &Path, profile: &Path, url: &str, args: &[&str], budget_ms: u32) -> String {
+    for attempt in 1..=3 {
+        match run_chromium_once(chrome, profile, url, args, budget_ms) {
+            Ok(out) => return out,
+            Err(err) => {
+                let tail: Vec<&str> = err.lines().rev().take(15).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                eprintln!(
+                    "chromium {args:?} hung for 60 s (attempt {attempt} of 3); its stderr ends:\n{}",
+                    tail.join("\n")
+                );
+            }
+        }
+    }
+    panic!("chromium hung three times in a row on {url}");
+}
+
+/// One Chromium run: `Ok(stdout)`, or `Err(stderr)` when it had to be killed after a minute.
+fn run_chromium_once(
+    chrome: &Path,
+    profile: &Path,
+    url: &str,
+    args: &[&str],
+    budget_ms: u32,
+) -> Result<String, String> {
     let mut child = Command::new(chrome)
         .args([
             "--headless",
@@ -60,7 +88,7 @@ fn run_chromium(chrome: &Path, profile: &Path, url: &str, args: &[&str], budget_
         s
     });
     let started = Instant::now();
-    let deadline = started + Duration::from_secs(300);
+    let deadline = started + Duration::from_secs(60);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
@@ -68,10 +96,7 @@ fn run_chromium(chrome: &Path, profile: &Path, url: &str, args: &[&str], budget_
         if Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!(
-                "chromium did not finish within 300 s: {}",
-                err.join().unwrap()
-            );
+            return Err(err.join().unwrap());
         }
         std::thread::sleep(Duration::from_millis(20));
     };
@@ -81,7 +106,7 @@ fn run_chromium(chrome: &Path, profile: &Path, url: &str, args: &[&str], budget_
         "chromium {args:?} took {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    out
+    Ok(out)
 }
 
 /// The value of attribute `name` of every element in `dom` that has it.
