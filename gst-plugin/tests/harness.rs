@@ -653,11 +653,28 @@ fn a_source_dropping_frames_posts_qos_and_stats_messages() {
     );
     e.set_property_from_str("drop-policy", "drop-oldest");
     let bus = bus_of(&e);
+    // Downstream takes nothing until the source has dropped frames: its streaming thread waits
+    // in a blocking probe, so the element's two-frame queue must overflow (without the probe
+    // the harness takes buffers as fast as they come and drops depend on timing).
+    let pad = e.static_pad("src").unwrap();
+    let probe = pad
+        .add_probe(
+            gst::PadProbeType::BLOCK | gst::PadProbeType::BUFFER,
+            |_, _| gst::PadProbeReturn::Ok,
+        )
+        .unwrap();
     let _rx = src_harness(&e);
     let mut tx = sink(port, 7, GRAY, &[]);
     for i in 0..20 {
         tx.push(buffer(vec![i as u8; 8], i * 100, 100)).unwrap();
     }
+    wait_for("the source to drop frames", || {
+        e.property::<gst::Structure>("stats")
+            .get::<u64>("frames-dropped")
+            .unwrap()
+            > 0
+    });
+    pad.remove_probe(probe);
     let qos = message_where(&bus, "QoS message", |m| {
         matches!(m.view(), gst::MessageView::Qos(_))
     });
