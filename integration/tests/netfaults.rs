@@ -377,7 +377,7 @@ fn block_devices_survive_twenty_receiver_kills() {
     let rx_log = |k: usize| tmp.path().join(format!("rx{k}.log"));
     let tx_log = tmp.path().join("tx.log");
     let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log(0));
-    wait_listening(&rx_log(0));
+    rdmastream_testkit::wait_listening(&rx_log(0));
     let mut tx = hosts.spawn(
         &hosts.tx,
         &bin("sender"),
@@ -455,7 +455,7 @@ fn block_devices_survive_delay_reordering_loss_and_a_link_down_and_up() {
     }
     let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
     let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log);
-    wait_listening(&rx_log);
+    rdmastream_testkit::wait_listening(&rx_log);
     let mut tx = hosts.spawn(
         &hosts.tx,
         &bin("sender"),
@@ -506,7 +506,7 @@ fn a_half_open_connection_is_detected_and_a_restarted_sender_writes_new_files() 
         tmp.path().join("tx2.log"),
     );
     let mut rx1 = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx1_log);
-    wait_listening(&rx1_log);
+    rdmastream_testkit::wait_listening(&rx1_log);
     let mut tx1 = hosts.spawn(
         &hosts.tx,
         &bin("sender"),
@@ -541,7 +541,7 @@ fn a_half_open_connection_is_detected_and_a_restarted_sender_writes_new_files() 
         .collect();
     hosts.link(true);
     let mut rx2 = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx2_log);
-    wait_listening(&rx2_log);
+    rdmastream_testkit::wait_listening(&rx2_log);
     let mut tx2 = hosts.spawn(
         &hosts.tx,
         &bin("sender"),
@@ -624,7 +624,7 @@ fn a_full_disk_holds_block_devices_until_space_returns() {
     let tx_cfg = sender(tmp.path(), &hosts, port, frames, "");
     let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
     let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log);
-    wait_listening(&rx_log);
+    rdmastream_testkit::wait_listening(&rx_log);
     let mut tx = hosts.spawn(
         &hosts.tx,
         &bin("sender"),
@@ -674,7 +674,7 @@ fn ctrl_c_during_an_outage_exits_within_the_grace_period() {
     let tx_cfg = sender(tmp.path(), &hosts, port, 100_000, "shutdown_grace = 2.0");
     let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
     let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log);
-    wait_listening(&rx_log);
+    rdmastream_testkit::wait_listening(&rx_log);
     let mut tx = hosts.spawn(
         &hosts.tx,
         &bin("sender"),
@@ -716,16 +716,4 @@ fn ctrl_c_during_an_outage_exits_within_the_grace_period() {
     );
     let _ = receiver.kill();
     let _ = receiver.wait();
-}
-
-/// Waits until the receiver that logs to `log` says it listens (it runs in its own network
-/// namespace, so the test cannot connect to find out).
-fn wait_listening(log: &Path) {
-    assert!(
-        wait_for(Duration::from_secs(30), || std::fs::read_to_string(log)
-            .unwrap_or_default()
-            .contains("receiver listening on")),
-        "the receiver did not start listening:\n{}",
-        tail(log)
-    );
 }

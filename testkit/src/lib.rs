@@ -126,6 +126,18 @@ pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
+/// Waits until the receiver that logs to `log` says it listens (for receivers the test cannot
+/// connect to, e.g. in another network namespace); fails with the log's tail after 30 s.
+pub fn wait_listening(log: &Path) {
+    assert!(
+        wait_for(Duration::from_secs(30), || std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .contains("receiver listening on")),
+        "the receiver did not start listening:\n{}",
+        tail(log)
+    );
+}
+
 /// The last 40 lines of a log file.
 pub fn tail(log: &Path) -> String {
     // Lossy: a process killed mid-line may leave half a UTF-8 character behind.
