@@ -867,3 +867,53 @@ fn a_flood_of_idle_connections_is_bounded_and_does_not_lock_senders_out() {
         "the sender's stream did not arrive"
     );
 }
+
+/// A notice the receiver gives a connection's region reaches the sender's end of it, over tcp
+/// (a NOTICE operation behind the next answer) and in process, and the connection carries on.
+#[test]
+fn a_receivers_notice_reaches_the_sender_and_ends_nothing() {
+    use rdmastream::transport::{Connector, Listener, Notice, SendBlocks};
+    let fabric = MemFabric::new();
+    let mem_listener = fabric.listen("rx", settings(4, 256, vec![]));
+    let tcp_listener = tcp::listen("127.0.0.1:0", settings(4, 256, vec![])).unwrap();
+    let tcp_addr = tcp_listener.local_addr();
+    let cases: Vec<(Box<dyn Listener>, Box<dyn Connector>)> = vec![
+        (Box::new(mem_listener), Box::new(fabric.connector("rx"))),
+        (
+            Box::new(tcp_listener),
+            Box::new(TcpConnector::new(tcp_addr).with_peer_timeout(Duration::from_millis(500))),
+        ),
+    ];
+    for (mut listener, connector) in cases {
+        let blocks = SendBlocks::new(1, 256);
+        let mut conn = connector
+            .connect(&raw_hello("told"), Some(&key()), &blocks)
+            .unwrap();
+        let accepted = listener
+            .accept(Duration::from_secs(5))
+            .unwrap()
+            .expect("the sender was accepted");
+        let sent = Notice::new(7, "device-id 7 is already taken at this receiver");
+        accepted.region.notify(sent.clone());
+        let mut got = Vec::new();
+        let arrived = wait_until(Duration::from_secs(20), || {
+            conn.heartbeat().unwrap();
+            got.extend(conn.take_notices());
+            !got.is_empty()
+        });
+        assert!(arrived, "no notice at the {} sender", connector.transport());
+        assert_eq!(got, vec![sent], "{}", connector.transport());
+        write_raw_block(conn.as_mut(), 0, 256, b"still connected");
+        let mut done = Vec::new();
+        assert!(
+            wait_until(Duration::from_secs(20), || {
+                conn.poll_completions(&mut done, Duration::from_millis(1))
+                    .unwrap();
+                done.contains(&Completion::Write { wr_id: 0 })
+            }),
+            "no block after the notice ({})",
+            connector.transport()
+        );
+        assert!(!accepted.region.is_closed());
+    }
+}

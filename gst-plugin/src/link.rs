@@ -51,6 +51,9 @@ pub struct LinkStatus {
 #[derive(Debug, Default)]
 pub struct LinkState {
     status: Mutex<LinkStatus>,
+    /// The newest notice from the receiver about each device (see
+    /// [`rdmastream::transport::Notice`]), until the device's element takes it.
+    notices: Mutex<HashMap<u8, String>>,
 }
 
 impl LinkState {
@@ -76,6 +79,11 @@ impl LinkState {
 
     fn closed(&self) {
         self.status.lock().unwrap().connected = false;
+    }
+
+    /// The receiver's notice about `device`, if one came since the last call.
+    pub fn take_notice(&self, device: u8) -> Option<String> {
+        self.notices.lock().unwrap().remove(&device)
     }
 }
 
@@ -112,6 +120,12 @@ impl ConnectionObserver for LinkState {
     }
     fn closed(&self) {
         LinkState::closed(self);
+    }
+    fn notice(&self, notice: &rdmastream::transport::Notice) {
+        self.notices
+            .lock()
+            .unwrap()
+            .insert(notice.device, notice.text.clone());
     }
 }
 
@@ -226,6 +240,8 @@ impl DeviceLease {
         drop(guard);
         devices.insert(req.device, req.element.to_string());
         drop(devices);
+        // A notice about an earlier element's stream of this device is not about this one.
+        shared.link.take_notice(req.device);
         let done = counters.frames.load(Ordering::Relaxed) + counters.drops.load(Ordering::Relaxed);
         Ok(Arc::new(DeviceLease {
             shared: shared.clone(),
@@ -249,6 +265,12 @@ impl DeviceLease {
     /// What the connection has been doing.
     pub fn link(&self) -> LinkStatus {
         self.shared.link.status()
+    }
+
+    /// What the receiver said about this device since the last call (another sender already
+    /// streams it there, so these frames are ignored).
+    pub fn take_notice(&self) -> Option<String> {
+        self.shared.link.take_notice(self.device)
     }
 
     /// True once the core sender stopped (refused, or shut down).

@@ -176,6 +176,8 @@ pub struct Route {
     ignored: Mutex<HashSet<String>>,
     /// Newly ignored senders, with the one followed, for the element to post warnings about.
     conflicts: Mutex<Vec<(String, String)>>,
+    /// When each ignored sender was last told so (a notice on its connection).
+    told: Mutex<HashMap<String, Instant>>,
     /// The newest frame queued: sender, session and frame index (for duplicates).
     last: Mutex<Option<(String, u64, u64)>>,
 }
@@ -262,6 +264,20 @@ impl SenderTable {
             .map(|c| c.peer.clone())
     }
 
+    /// Sends `notice` to `sender` on its open connection, if it has one.
+    pub fn notify(&self, sender: &str, notice: rdmastream::transport::Notice) {
+        if let Some(c) = self
+            .connections
+            .lock()
+            .unwrap()
+            .iter()
+            .rev()
+            .find(|c| c.sender == sender && !c.region.is_closed())
+        {
+            c.region.notify(notice);
+        }
+    }
+
     /// Connections accepted so far.
     pub fn accepted(&self) -> u64 {
         self.accepted.load(std::sync::atomic::Ordering::Relaxed)
@@ -333,6 +349,8 @@ const MAX_FORMATS: usize = 1024;
 const MAX_FORMAT_BYTES: usize = 64 * 1024;
 /// Senders no longer connected whose last address is remembered at most.
 const MAX_GONE_SENDERS: usize = 256;
+/// How often a sender whose frames of a device are ignored is told so again.
+const TELL_EVERY: Duration = Duration::from_secs(1);
 
 #[derive(Default)]
 struct RouterState {
@@ -398,6 +416,7 @@ impl Router {
                         key.sender
                     );
                 }
+                self.tell_ignored(r, key, c);
                 Pick::Drop
             }
             Some(c) => {
@@ -411,6 +430,36 @@ impl Router {
                 Pick::Route(r.clone(), s.formats.get(key).cloned())
             }
         }
+    }
+
+    /// Tells the sender of `key`, on its own connection, that its frames of this device are
+    /// ignored because `followed` streams it (its `rdmasink` fails with that); at most once
+    /// every [`TELL_EVERY`] per sender while it keeps sending.
+    fn tell_ignored(&self, r: &Route, key: &StreamKey, followed: &str) {
+        {
+            let mut told = r.told.lock().unwrap();
+            if told.len() > MAX_GONE_SENDERS {
+                told.retain(|_, at| at.elapsed() < TELL_EVERY);
+            }
+            match told.get(&key.sender) {
+                Some(at) if at.elapsed() < TELL_EVERY => return,
+                _ => told.insert(key.sender.clone(), Instant::now()),
+            };
+        }
+        let by = match self.table.peer_of(followed) {
+            Some(peer) => format!("sender '{followed}' ({peer})"),
+            None => format!("sender '{followed}'"),
+        };
+        let text = format!(
+            "device-id {} is already taken at this receiver: {} receives it from {by}, so this \
+             sender's frames of it are ignored; use another device-id, or set sender-name on \
+             the receiving element",
+            key.device, r.element
+        );
+        self.table.notify(
+            &key.sender,
+            rdmastream::transport::Notice::new(key.device, text),
+        );
     }
 
     /// Adds `route` (of the listener on `addr`); refused when an element already receives the
@@ -676,6 +725,7 @@ impl RouteLease {
             current: Mutex::new(None),
             ignored: Mutex::new(HashSet::new()),
             conflicts: Mutex::new(Vec::new()),
+            told: Mutex::new(HashMap::new()),
             last: Mutex::new(None),
         });
         shared.router.register(route.clone(), &shared.local_addr)?;

@@ -575,9 +575,11 @@ fn drops_post_qos_messages_and_stats_arrive_as_element_messages() {
 
 /// Two senders stream the same device-id into one `rdmasrc` (without `sender-name`): the
 /// element follows the first and says on the bus that the second one's frames are ignored,
-/// naming both, instead of dropping them without a word.
+/// naming both, instead of dropping them without a word; the second sender's `rdmasink` is told
+/// by the receiver and fails with an error naming the first, while the first keeps streaming
+/// (the notice travels on the second one's connection and ends nothing else).
 #[test]
-fn a_second_sender_of_the_same_device_is_reported_not_silently_dropped() {
+fn a_second_sender_of_the_same_device_is_reported_on_both_ends() {
     init();
     let port = free_port();
     let e = src_element(port, 5, &[]);
@@ -586,13 +588,41 @@ fn a_second_sender_of_the_same_device_is_reported_not_silently_dropped() {
     let mut a = sink(port, 5, GRAY, &[("sender-name", "cam-a".to_value())]);
     a.push(buffer(vec![1; 8], 0, 100)).unwrap();
     assert_eq!(bytes(&rx.pull().unwrap()), vec![1; 8]);
-    let mut b = sink(port, 5, GRAY, &[("sender-name", "cam-b".to_value())]);
+    let b_element = sink_element(port, 5, &[("sender-name", "cam-b".to_value())]);
+    let b_bus = bus_of(&b_element);
+    let mut b = sink_harness(&b_element, GRAY);
     b.push(buffer(vec![2; 8], 0, 100)).unwrap();
     let msg = message_where(&bus, "a warning about the second sender", |m| {
         error_text(m).contains("also streams")
     });
     let text = error_text(&msg);
     assert!(text.contains("cam-b") && text.contains("cam-a"), "{text}");
+    // The sink learns it from the next buffers it renders (the notice comes within a heartbeat
+    // interval).
+    let end = std::time::Instant::now() + DEADLINE;
+    let mut pts = 100;
+    loop {
+        if b.push(buffer(vec![2; 8], pts, 100)) == Err(gst::FlowError::Error) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "the second sink never failed"
+        );
+        pts += 100;
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let msg = message_where(&b_bus, "an error on the second sink", |m| {
+        matches!(m.view(), gst::MessageView::Error(_))
+    });
+    let text = error_text(&msg);
+    assert!(
+        text.contains("device-id 5 is already taken") && text.contains("'cam-a'"),
+        "{text}"
+    );
+    // The first sender is not disturbed.
+    a.push(buffer(vec![3; 8], 100, 100)).unwrap();
+    assert_eq!(bytes(&rx.pull().unwrap()), vec![3; 8]);
 }
 
 /// A sink says on the bus when it is connected, and when it is connected again after the

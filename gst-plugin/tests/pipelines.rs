@@ -124,6 +124,39 @@ impl Launch {
         log
     }
 
+    /// Waits for the pipeline to exit and asserts it failed (an error ended it); its log.
+    fn failure(mut self) -> String {
+        let end = Instant::now() + EXIT_DEADLINE;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                Instant::now() < end,
+                "{} still running after {EXIT_DEADLINE:?}; log:\n{}",
+                self.what,
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let log = self.log_text();
+        assert!(
+            !status.success(),
+            "{} exited successfully, an error was expected; log:\n{log}",
+            self.what
+        );
+        log
+    }
+
+    /// True while the process runs.
+    fn child_running(&self) -> bool {
+        // try_wait needs &mut; a zero-signal probe does not.
+        std::path::Path::new(&format!("/proc/{}", self.child.id())).exists()
+            && !std::fs::read_to_string(format!("/proc/{}/stat", self.child.id()))
+                .unwrap_or_default()
+                .contains(") Z ")
+    }
+
     /// Kills the process (SIGKILL): a receiver that crashes.
     fn kill(mut self) {
         let _ = self.child.kill();
@@ -402,5 +435,51 @@ fn playbin_plays_an_rdma_uri_to_the_end() {
     assert!(
         log.contains("rdmasrc"),
         "playbin did not use rdmasrc:\n{log}"
+    );
+}
+
+/// A second `rdmasink` process streaming a device-id that another sender already streams to
+/// the receiving `rdmasrc`: the receiver warns naming both, and the second sink fails with an
+/// error saying who holds the device, instead of its frames vanishing; the first carries on.
+#[test]
+fn a_sink_whose_device_is_taken_at_the_receiver_fails_saying_by_whom() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    let rx = Launch::start(
+        d,
+        "receiver",
+        &format!("rdmasrc port={port} device-id=3 ! fakesink"),
+    );
+    let sender = |name: &str, buffers: u32| {
+        Launch::start(
+            d,
+            name,
+            &format!(
+                "videotestsrc is-live=true num-buffers={buffers} ! \
+                 video/x-raw,format=GRAY8,width=64,height=48,framerate=25/1 ! \
+                 rdmasink port={port} device-id=3 sender-name={name}"
+            ),
+        )
+    };
+    let first = sender("first", 100_000);
+    common::wait_for("the receiver to follow the first sender", || {
+        rx.log_text().contains("sender connected")
+    });
+    let log = sender("second", 100_000).failure();
+    assert!(
+        log.contains("ignores this device-id")
+            && log.contains("device-id 3 is already taken")
+            && log.contains("'first'"),
+        "the second sink's error does not say who holds the device:\n{log}"
+    );
+    common::wait_for("the receiver's warning naming both senders", || {
+        let log = rx.log_text();
+        log.contains("'second'") && log.contains("also streams")
+    });
+    assert!(
+        first.child_running(),
+        "the first sender stopped:\n{}",
+        first.log_text()
     );
 }

@@ -292,6 +292,9 @@ impl Connection for SimConnection {
     fn heartbeat(&mut self) -> Result<()> {
         Ok(())
     }
+    fn take_notices(&mut self) -> Vec<crate::transport::Notice> {
+        Vec::new()
+    }
 }
 
 /// Frees a lossless message's last block once the sink handed the message on.

@@ -35,9 +35,9 @@ use rdmastream::transport::tcp::{
     Admitted, SideChannelListener, client_handshake, server_handshake,
 };
 use rdmastream::transport::{
-    Accepted, Completion, Connection, Connector, HeldBytes, Kind, Refusal, RefusalKind, Region,
-    RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks, Target, WriteSource,
-    WriteWr,
+    Accepted, Completion, Connection, Connector, HeldBytes, Kind, Notice, NoticeQueue, Refusal,
+    RefusalKind, Region, RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks,
+    SideChannelReader, Target, WriteSource, WriteWr,
 };
 
 /// Work requests this process posted (RDMA WRITEs and READs). A receiver reports it: it must
@@ -393,6 +393,8 @@ impl Connector for VerbsConnector {
             side_checked: Instant::now(),
             side_heard: Instant::now(),
             side_sent: Instant::now(),
+            side_reader: SideChannelReader::default(),
+            notices: Vec::new(),
             peer_timeout: self.peer_timeout,
             polled: vec![ibv::Completion::default(); 16],
             read_len: 0,
@@ -418,6 +420,10 @@ pub struct VerbsConnection {
     /// When the receiver's last heartbeat byte came, and this side's last went out.
     side_heard: Instant,
     side_sent: Instant,
+    /// Splits the receiver's side-channel bytes into heartbeats and notices.
+    side_reader: SideChannelReader,
+    /// Notices read from the side channel, not yet taken.
+    notices: Vec<Notice>,
     peer_timeout: Duration,
     polled: Vec<ibv::Completion>,
 }
@@ -463,7 +469,12 @@ impl VerbsConnection {
         loop {
             match std::io::Read::read(&mut self.side, &mut bytes) {
                 Ok(0) => return Err(self.lost("the receiver closed the side channel")),
-                Ok(_) => self.side_heard = Instant::now(),
+                Ok(n) => {
+                    self.side_heard = Instant::now();
+                    if let Err(why) = self.side_reader.feed(&bytes[..n], &mut self.notices) {
+                        return Err(self.lost(format!("protocol error: {why}")));
+                    }
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.lost(format!("side channel: {e}"))),
@@ -581,6 +592,9 @@ impl Connection for VerbsConnection {
     fn heartbeat(&mut self) -> Result<()> {
         self.check_side_channel()
     }
+    fn take_notices(&mut self) -> Vec<Notice> {
+        std::mem::take(&mut self.notices)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -597,6 +611,8 @@ pub struct VerbsRegion {
     retained: AtomicUsize,
     /// The side channel, to end the connection on [`Region::disconnect`].
     side: Mutex<Option<TcpStream>>,
+    /// Notices for the sender, written on the side channel by its watching thread.
+    notices: NoticeQueue,
     /// This region's share of the receiver's memory budget.
     _reservation: rdmastream::proto::Reservation,
     _qp: ConnectedQp,
@@ -663,6 +679,11 @@ impl Region for VerbsRegion {
     }
     fn abandon(&self, _j: usize) {
         self.retained.fetch_sub(1, Ordering::Relaxed);
+    }
+    fn notify(&self, notice: Notice) {
+        if !self.is_closed() {
+            self.notices.push(notice);
+        }
     }
 }
 
@@ -731,7 +752,7 @@ fn handshake(
     // both ways on it.
     let watcher = spawn(format!("verbs-watch-{name}"), move || {
         let _closed = MarkClosed(&watched.closed);
-        watch_side_channel(side, timeout, &watched.closed);
+        watch_side_channel(side, timeout, &watched.closed, &watched.notices);
     });
     if let Err(e) = watcher {
         region.closed.store(true, Ordering::Release);
@@ -752,9 +773,15 @@ fn handshake(
     })
 }
 
-/// Reads the sender's heartbeats on the side channel and sends the receiver's, until the channel
-/// closes, stays silent for `timeout`, or `closed` is set (the receiver is done).
-fn watch_side_channel(mut side: TcpStream, timeout: Duration, closed: &AtomicBool) {
+/// Reads the sender's heartbeats on the side channel and sends the receiver's and its notices
+/// (within a heartbeat interval), until the channel closes, stays silent for `timeout`, or
+/// `closed` is set (the receiver is done).
+fn watch_side_channel(
+    mut side: TcpStream,
+    timeout: Duration,
+    closed: &AtomicBool,
+    notices: &NoticeQueue,
+) {
     let interval = rdmastream::transport::heartbeat_interval(timeout);
     if side.set_read_timeout(Some(interval)).is_err() {
         return;
@@ -781,6 +808,11 @@ fn watch_side_channel(mut side: TcpStream, timeout: Duration, closed: &AtomicBoo
                 heard.elapsed().as_secs_f64()
             );
             return;
+        }
+        for n in notices.take() {
+            if std::io::Write::write_all(&mut side, &n.side_frame()).is_err() {
+                return;
+            }
         }
         if sent.elapsed() >= interval {
             sent = Instant::now();
@@ -870,6 +902,7 @@ fn build_region(
         closed: AtomicBool::new(false),
         retained: AtomicUsize::new(0),
         side: Mutex::new(None),
+        notices: NoticeQueue::default(),
         _reservation: region_memory,
         _qp: qp,
         _cq: cq,

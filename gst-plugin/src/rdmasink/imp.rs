@@ -203,6 +203,19 @@ impl RdmaSink {
             );
             return Err(Stop::Error);
         }
+        if let Some(notice) = s.lease.take_notice() {
+            // The connection is shared with other devices and stays up; only this element's
+            // frames go nowhere.
+            s.failed = true;
+            drop(state);
+            gst::element_imp_error!(
+                self,
+                gst::ResourceError::Busy,
+                ("Receiver {peer} ignores this device-id: another sender streams it there"),
+                ["{notice}"]
+            );
+            return Err(Stop::Error);
+        }
         if link.connected {
             s.down_since = None;
         } else if link.errors > s.errors_seen {

@@ -659,6 +659,16 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
             }
             continue;
         };
+        // What the receiver says about a device (another sender streams it there, ...): the
+        // connection and the other devices carry on.
+        for n in c.take_notices() {
+            tracing::warn!(
+                peer = c.peer(),
+                device = n.device,
+                "receiver says: {}",
+                n.text
+            );
+        }
         // A receiver (or link) that died without a word is noticed within the peer timeout.
         let turn = c.heartbeat().and_then(|()| {
             driver.turn(

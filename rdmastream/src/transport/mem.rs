@@ -252,4 +252,7 @@ impl Connection for MemConnection {
     fn heartbeat(&mut self) -> Result<()> {
         Ok(())
     }
+    fn take_notices(&mut self) -> Vec<super::Notice> {
+        self.region.take_notices()
+    }
 }

@@ -112,6 +112,134 @@ pub trait Connection: Send {
     /// been heard from for the peer timeout (a dead machine or link, a half-open connection).
     /// No default: a wrapper that forgot to pass it on would silently turn liveness off.
     fn heartbeat(&mut self) -> Result<()>;
+    /// The notices the receiver sent since the last call (see [`Notice`]), oldest first. Called
+    /// by the sending thread every time round its loop. No default, for the same reason as
+    /// [`Connection::heartbeat`]: a wrapper that dropped them would leave a sink unaware that
+    /// nobody receives its frames.
+    fn take_notices(&mut self) -> Vec<Notice>;
+}
+
+/// What a receiver tells a connected sender about one of its devices without ending the shared
+/// connection (the other devices on it are fine): today, that another sender already streams
+/// this device number to the element that receives it, so this sender's frames of it are
+/// ignored. The text is the receiver's, so it is untrusted: it is cut and escaped on arrival.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    /// The device number the notice is about.
+    pub device: u8,
+    /// What the receiver says, for the sender's user.
+    pub text: String,
+}
+
+/// Longest notice text a receiver sends and a sender accepts, in bytes.
+pub const MAX_NOTICE_TEXT: usize = 400;
+
+/// How many notices wait at most on either end; older ones are dropped (a notice repeats while
+/// its cause lasts).
+pub const MAX_NOTICES: usize = 16;
+
+impl Notice {
+    /// A notice whose text is cut (at a character boundary) to [`MAX_NOTICE_TEXT`] bytes.
+    pub fn new(device: u8, text: impl Into<String>) -> Notice {
+        let mut text = text.into();
+        if text.len() > MAX_NOTICE_TEXT {
+            let mut end = MAX_NOTICE_TEXT;
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            text.truncate(end);
+        }
+        Notice { device, text }
+    }
+
+    /// A notice as it arrived from a receiver: the text is escaped and cut.
+    pub fn from_peer(device: u8, text: &[u8]) -> Notice {
+        Notice {
+            device,
+            text: crate::logsafe::clean_bytes(text, MAX_NOTICE_TEXT),
+        }
+    }
+}
+
+/// On a side channel (verbs), the byte that is a heartbeat; [`SIDE_NOTICE`] starts a notice:
+/// `[1][device][text length: u16 LE][text]`. Anything else is a protocol error.
+pub const SIDE_HEARTBEAT: u8 = 0;
+/// See [`SIDE_HEARTBEAT`].
+pub const SIDE_NOTICE: u8 = 1;
+
+impl Notice {
+    /// This notice framed for a side channel.
+    pub fn side_frame(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(4 + self.text.len());
+        b.push(SIDE_NOTICE);
+        b.push(self.device);
+        b.extend_from_slice(&(self.text.len() as u16).to_le_bytes());
+        b.extend_from_slice(self.text.as_bytes());
+        b
+    }
+}
+
+/// Splits what a receiver sends on a side channel into heartbeats and notices, however the
+/// bytes were cut into reads. Holds at most one unfinished frame.
+#[derive(Debug, Default)]
+pub struct SideChannelReader {
+    partial: Vec<u8>,
+}
+
+impl SideChannelReader {
+    /// Takes the next bytes read; notices completed by them are pushed onto `out`. An error
+    /// names what was wrong with the stream (the connection should then be given up).
+    pub fn feed(&mut self, bytes: &[u8], out: &mut Vec<Notice>) -> std::result::Result<(), String> {
+        self.partial.extend_from_slice(bytes);
+        let mut at = 0;
+        let result = loop {
+            let rest = &self.partial[at..];
+            match rest.first() {
+                None => break Ok(()),
+                Some(&SIDE_HEARTBEAT) => at += 1,
+                Some(&SIDE_NOTICE) => {
+                    if rest.len() < 4 {
+                        break Ok(());
+                    }
+                    let len = u16::from_le_bytes([rest[2], rest[3]]) as usize;
+                    if len > MAX_NOTICE_TEXT {
+                        break Err(format!(
+                            "a notice of {len} bytes on the side channel (at most {MAX_NOTICE_TEXT})"
+                        ));
+                    }
+                    if rest.len() < 4 + len {
+                        break Ok(());
+                    }
+                    out.push(Notice::from_peer(rest[1], &rest[4..4 + len]));
+                    at += 4 + len;
+                }
+                Some(other) => break Err(format!("unknown byte {other} on the side channel")),
+            }
+        };
+        self.partial.drain(..at);
+        result
+    }
+}
+
+/// A bounded queue of notices shared between the thread that produces them and the one that
+/// sends or takes them.
+#[derive(Debug, Clone, Default)]
+pub struct NoticeQueue(std::sync::Arc<parking_lot::Mutex<std::collections::VecDeque<Notice>>>);
+
+impl NoticeQueue {
+    /// Queues `notice`, dropping the oldest when [`MAX_NOTICES`] are waiting.
+    pub fn push(&self, notice: Notice) {
+        let mut q = self.0.lock();
+        if q.len() == MAX_NOTICES {
+            q.pop_front();
+        }
+        q.push_back(notice);
+    }
+
+    /// Everything waiting, oldest first.
+    pub fn take(&self) -> Vec<Notice> {
+        self.0.lock().drain(..).collect()
+    }
 }
 
 /// How long a peer may stay silent before its connection is given up, unless configured.
@@ -374,5 +502,75 @@ impl std::fmt::Display for Kind {
             Kind::Tcp => "tcp",
             Kind::Verbs => "verbs",
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames(notices: &[Notice]) -> Vec<u8> {
+        let mut b = vec![SIDE_HEARTBEAT];
+        for n in notices {
+            b.extend(n.side_frame());
+            b.push(SIDE_HEARTBEAT);
+        }
+        b
+    }
+
+    #[test]
+    fn side_channel_notices_survive_any_cut_into_reads() {
+        let sent = vec![
+            Notice::new(3, "device-id 3 is already taken"),
+            Notice::new(200, ""),
+            Notice::new(7, "ünïcode"),
+        ];
+        let bytes = frames(&sent);
+        for cut in 1..bytes.len() {
+            let mut r = SideChannelReader::default();
+            let mut got = Vec::new();
+            for chunk in bytes.chunks(cut) {
+                r.feed(chunk, &mut got).unwrap();
+            }
+            assert_eq!(got, sent, "reads of {cut} bytes");
+        }
+    }
+
+    #[test]
+    fn side_channel_rejects_unknown_bytes_and_oversized_notices() {
+        let mut r = SideChannelReader::default();
+        let err = r.feed(&[0, 0, 9], &mut Vec::new()).unwrap_err();
+        assert!(err.contains("unknown byte 9"), "{err}");
+        let mut r = SideChannelReader::default();
+        let len = (MAX_NOTICE_TEXT as u16 + 1).to_le_bytes();
+        let err = r
+            .feed(&[SIDE_NOTICE, 1, len[0], len[1]], &mut Vec::new())
+            .unwrap_err();
+        assert!(err.contains("at most"), "{err}");
+    }
+
+    #[test]
+    fn notice_texts_are_cut_and_peer_texts_escaped() {
+        let long = "é".repeat(MAX_NOTICE_TEXT);
+        let n = Notice::new(1, long);
+        assert!(n.text.len() <= MAX_NOTICE_TEXT && n.text.chars().all(|c| c == 'é'));
+        let n = Notice::from_peer(1, b"bad\x1b[31m\nline");
+        assert!(
+            !n.text.contains('\x1b') && !n.text.contains('\n'),
+            "{:?}",
+            n.text
+        );
+    }
+
+    #[test]
+    fn a_notice_queue_keeps_the_newest() {
+        let q = NoticeQueue::default();
+        for i in 0..(MAX_NOTICES + 5) {
+            q.push(Notice::new(i as u8, ""));
+        }
+        let got = q.take();
+        assert_eq!(got.len(), MAX_NOTICES);
+        assert_eq!(got[0].device, 5);
+        assert!(q.take().is_empty());
     }
 }

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Completion, Connection, Connector, RemoteAddr, SendBlocks, WriteWr};
+use super::{Completion, Connection, Connector, Notice, RemoteAddr, SendBlocks, WriteWr};
 use crate::error::{Error, Result};
 use crate::proto::RemoteLayout;
 use crate::proto::handshake::{Hello, Key};
@@ -24,6 +24,8 @@ pub trait ConnectionObserver: Send + Sync {
     fn lost(&self, error: &Error);
     /// The connection was dropped.
     fn closed(&self);
+    /// The receiver sent a notice about one device (the sending thread logs it as well).
+    fn notice(&self, _notice: &Notice) {}
 }
 
 /// Wraps `inner` so `observer` follows its connections.
@@ -109,6 +111,13 @@ impl Connection for ObservedConnection {
     fn heartbeat(&mut self) -> Result<()> {
         let r = self.inner.heartbeat();
         self.observe(r)
+    }
+    fn take_notices(&mut self) -> Vec<Notice> {
+        let notices = self.inner.take_notices();
+        for n in &notices {
+            self.observer.notice(n);
+        }
+        notices
     }
 }
 

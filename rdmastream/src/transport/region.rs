@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, RawMutex, lock_api::ArcMutexGuard};
 
-use super::{RegionSettings, Target};
+use super::{Notice, NoticeQueue, RegionSettings, Target};
 use crate::proto::ack::{Ack, Settle};
 use crate::proto::{RemoteLayout, Reservation, status};
 
@@ -41,6 +41,9 @@ pub trait Region: Send + Sync {
     /// of the connection. For a lossless message that was not durably handed on: telling the
     /// sender it is safe would lose it.
     fn abandon(&self, j: usize);
+    /// Sends `notice` to the sender of this region (on its connection's own channel, within a
+    /// heartbeat interval); nothing happens once the connection is gone.
+    fn notify(&self, notice: Notice);
 }
 
 /// The bytes of a retained block, however the region stores them.
@@ -163,6 +166,9 @@ pub struct SoftRegion {
     retained: AtomicUsize,
     /// The connection carrying this region's WRITEs, to end it on [`Region::disconnect`].
     link: Mutex<Option<std::net::TcpStream>>,
+    /// Notices for the sender, sent by the tcp transport's NIC thread or taken by the in-process
+    /// connection.
+    notices: NoticeQueue,
     /// This region's share of the receiver's memory budget, given back when it is freed.
     _reservation: Option<Reservation>,
 }
@@ -173,6 +179,11 @@ pub struct SoftRegion {
 pub struct AccessError(pub String);
 
 impl SoftRegion {
+    /// The notices waiting to go to the sender, oldest first.
+    pub fn take_notices(&self) -> Vec<Notice> {
+        self.notices.take()
+    }
+
     /// Allocates N blocks of B bytes, all EMPTY except the reserved ones (RETAINED), outside any
     /// budget (tests, tools).
     pub fn new(settings: &RegionSettings) -> Arc<SoftRegion> {
@@ -212,6 +223,7 @@ impl SoftRegion {
             closed: AtomicBool::new(false),
             retained: AtomicUsize::new(0),
             link: Mutex::new(None),
+            notices: NoticeQueue::default(),
             _reservation: reservation,
         })
     }
@@ -340,6 +352,11 @@ impl Region for SoftRegion {
     }
     fn abandon(&self, _j: usize) {
         self.retained.fetch_sub(1, Ordering::Relaxed);
+    }
+    fn notify(&self, notice: Notice) {
+        if !self.is_closed() {
+            self.notices.push(notice);
+        }
     }
 }
 

@@ -21,8 +21,9 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use super::{
-    Accepted, Completion, Connection, Connector, Lease, Listener, Refusal, RefusalKind, Region,
-    RegionSettings, RemoteAddr, SendBlocks, SoftRegion, Target, WriteSource, WriteWr,
+    Accepted, Completion, Connection, Connector, Lease, Listener, MAX_NOTICE_TEXT, Notice,
+    NoticeQueue, Refusal, RefusalKind, Region, RegionSettings, RemoteAddr, SendBlocks, SoftRegion,
+    Target, WriteSource, WriteWr,
 };
 use crate::error::{Error, Result, spawn};
 use crate::logsafe;
@@ -41,6 +42,9 @@ const OP_ERROR: u8 = 5;
 const OP_NOP: u8 = 6;
 /// The work request id of heartbeats (never a chain's or a sync's).
 const NOP_WR_ID: u64 = u64::MAX;
+/// Receiver → sender, unsolicited: a [`Notice`] about device `target`, its text (`len` bytes,
+/// at most [`MAX_NOTICE_TEXT`]) after the header. Completes nothing.
+const OP_NOTICE: u8 = 7;
 const OP_HEADER: usize = 24;
 /// How long a peer may take to complete the whole handshake (not each read).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -486,10 +490,22 @@ impl Connector for TcpConnector {
         let reader = stream.try_clone().map_err(connect_err)?;
         let started = Instant::now();
         let heard = Arc::new(AtomicU64::new(0));
-        let (expected, reader_peer, reader_heard) =
-            (expected_read.clone(), peer.clone(), heard.clone());
+        let notices = NoticeQueue::default();
+        let (expected, reader_peer, reader_heard, reader_notices) = (
+            expected_read.clone(),
+            peer.clone(),
+            heard.clone(),
+            notices.clone(),
+        );
         spawn(format!("tcp-completions-{peer}"), move || {
-            completion_reader(reader, reader_peer, tx, expected, (started, reader_heard))
+            completion_reader(
+                reader,
+                reader_peer,
+                tx,
+                expected,
+                (started, reader_heard),
+                reader_notices,
+            )
         })?;
         // A write that cannot get out for a whole peer timeout (the link is down, the receiver
         // stopped reading) fails the connection instead of blocking the sending thread, so a
@@ -512,6 +528,7 @@ impl Connector for TcpConnector {
             heard,
             nop_sent: started,
             peer_timeout: self.peer_timeout,
+            notices,
         }))
     }
 }
@@ -535,6 +552,7 @@ fn completion_reader(
     tx: Sender<Event>,
     expected_read: Arc<AtomicUsize>,
     (started, heard): (Instant, Arc<AtomicU64>),
+    notices: NoticeQueue,
 ) {
     let mut r = BufReader::with_capacity(16 * 1024, stream);
     let fail = |tx: &Sender<Event>, why: String| {
@@ -582,6 +600,23 @@ fn completion_reader(
                 }
                 continue;
             }
+            OP_NOTICE => {
+                if h.len as usize > MAX_NOTICE_TEXT {
+                    return fail(
+                        &tx,
+                        format!(
+                            "protocol error from {peer}: a notice of {} bytes (at most {MAX_NOTICE_TEXT})",
+                            h.len
+                        ),
+                    );
+                }
+                let mut text = vec![0u8; h.len as usize];
+                if let Err(e) = r.read_exact(&mut text) {
+                    return fail(&tx, format!("reading a notice: {e}"));
+                }
+                notices.push(Notice::from_peer(h.target, &text));
+                continue;
+            }
             OP_ERROR => {
                 let mut text = vec![0u8; (h.len as usize).min(4096)];
                 let _ = r.read_exact(&mut text);
@@ -626,6 +661,8 @@ pub struct TcpConnection {
     heard: Arc<AtomicU64>,
     nop_sent: Instant,
     peer_timeout: Duration,
+    /// Notices the completion reader received.
+    notices: NoticeQueue,
 }
 
 impl TcpConnection {
@@ -782,6 +819,9 @@ impl Connection for TcpConnection {
             self.flush()?;
         }
         Ok(())
+    }
+    fn take_notices(&mut self) -> Vec<Notice> {
+        self.notices.take()
     }
 }
 
@@ -1154,6 +1194,21 @@ fn serve_requests<R: Read, W: Write>(
                     format!("unknown operation {} on target {}", h.op, h.target),
                 );
             }
+        }
+        // Notices ride behind the answers; a live sender sends something at least every
+        // heartbeat interval, so one waits no longer than that.
+        for n in region.take_notices() {
+            let head = OpHeader {
+                op: OP_NOTICE,
+                target: n.device,
+                signaled: false,
+                len: n.text.len() as u32,
+                offset: 0,
+                wr_id: NOP_WR_ID,
+            };
+            out.write_all(&head.encode())
+                .and_then(|_| out.write_all(n.text.as_bytes()))
+                .map_err(|e| e.to_string())?;
         }
         // Acknowledge in batches: flush once no more requests are already buffered.
         if r.buffer().is_empty() {
