@@ -21,6 +21,8 @@ packages=(
   python3-venv curl
   # integration/tests/status_page.rs: the receiver's status page in headless Chromium.
   chromium
+  # bench plot (scripts/paper.sh): the font of the figures' labels.
+  fonts-dejavu-core
 )
 missing=()
 for p in "${packages[@]}"; do

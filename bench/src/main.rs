@@ -13,6 +13,7 @@
 //! `frame-cpu`: what one 640×480 RGB frame costs the CPU outside the transport (the filling
 //! copy, the CRC32C seal, the receiver's validation), here or in the VM, to compare the two.
 
+mod paper;
 mod soak;
 
 use std::collections::BTreeMap;
@@ -52,13 +53,69 @@ const SIZES: [usize; 10] = [
 ];
 
 const USAGE: &str = "usage: bench [throughput|cameras|frame-cpu|verbs|verbs-sync|soak|all] \
-                     [--seconds S] [--rounds R] [--minutes M]";
+                     [--seconds S] [--rounds R] [--minutes M]\n       \
+                     bench paper [--quick] [--transport tcp|verbs] [--out DIR]\n       \
+                     bench plot DIR";
+
+/// `bench paper`: the paper's experiments (see [`paper`]).
+fn paper_command(args: &[String]) {
+    let (mut quick, mut net, mut out) = (false, paper::Net::Tcp, None);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match (a.as_str(), it.clone().next().map(String::as_str)) {
+            ("--quick", _) => quick = true,
+            ("--transport", Some("tcp")) => {
+                net = paper::Net::Tcp;
+                it.next();
+            }
+            ("--transport", Some("verbs")) => {
+                net = paper::Net::Verbs;
+                it.next();
+            }
+            ("--out", Some(dir)) => {
+                out = Some(PathBuf::from(dir));
+                it.next();
+            }
+            _ => {
+                eprintln!("bench paper: bad option {a:?}\n{USAGE}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let out = out.unwrap_or_else(|| {
+        PathBuf::from("target/paper").join(match net {
+            paper::Net::Tcp => "tcp",
+            paper::Net::Verbs => "verbs",
+        })
+    });
+    let scale = if quick {
+        paper::Scale::QUICK
+    } else {
+        paper::Scale::FULL
+    };
+    paper::run(net, scale, &out, &paper::Mechanism::ALL);
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "-h" || a == "--help") {
         println!("{USAGE}");
         return;
+    }
+    match args.first().map(String::as_str) {
+        Some("paper") => return paper_command(&args[1..]),
+        Some("plot") => {
+            let Some(dir) = args.get(1) else {
+                eprintln!("usage: bench plot DIR (a directory bench paper wrote)");
+                std::process::exit(2);
+            };
+            if let Err(e) = paper::plot::plot(Path::new(dir)) {
+                eprintln!("bench plot: {e}");
+                std::process::exit(1);
+            }
+            return;
+        }
+        _ => {}
     }
     // Every option takes a number; anything else is a mistake, not something to ignore (a
     // mistyped option would otherwise start a ten-minute soak).
