@@ -88,10 +88,10 @@ fn paper_command(args: &[String]) {
             paper::Net::Verbs => "verbs",
         })
     });
-    let scale = if quick {
-        paper::Scale::QUICK
-    } else {
-        paper::Scale::FULL
+    let scale = match (quick, net) {
+        (true, _) => paper::Scale::QUICK,
+        (false, paper::Net::Tcp) => paper::Scale::FULL,
+        (false, paper::Net::Verbs) => paper::Scale::FULL_VERBS,
     };
     paper::run(net, scale, &out, &paper::Mechanism::ALL);
 }
