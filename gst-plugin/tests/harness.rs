@@ -168,6 +168,35 @@ fn buffers_caps_timestamps_and_eos_travel() {
     assert_eq!(caps, vec![GRAY.parse::<gst::Caps>().unwrap()]);
 }
 
+/// The same over the shm transport: `rdmasrc` listens on a Unix socket (`address=unix:/path`),
+/// `rdmasink` connects to it, and the blocks go through shared memory; `transport=auto` picks
+/// shm for the `unix:` address on the sink's side.
+#[test]
+fn buffers_caps_and_eos_travel_over_shm() {
+    init();
+    let dir = tempfile::tempdir().unwrap();
+    let addr = format!("unix:{}", dir.path().join("rx.sock").display());
+    let rx_e = src_element(free_port(), 5, &[]);
+    rx_e.set_property_from_str("transport", "shm");
+    rx_e.set_property("address", &addr);
+    let mut rx = src_harness(&rx_e);
+    let tx_e = sink_element(free_port(), 5, &[]);
+    tx_e.set_property_from_str("transport", "auto");
+    tx_e.set_property("host", &addr);
+    let mut tx = sink_harness(&tx_e, GRAY);
+    for i in 0..5u8 {
+        tx.push(buffer(vec![i; 8], 100 * i as u64, 100)).unwrap();
+    }
+    for i in 0..5u8 {
+        let b = rx.pull().unwrap();
+        assert_eq!(bytes(&b), vec![i; 8]);
+        assert_eq!(b.offset(), i as u64);
+    }
+    assert!(tx.push_event(gst::event::Eos::new()));
+    let caps = caps_until_eos(&mut rx);
+    assert_eq!(caps, vec![GRAY.parse::<gst::Caps>().unwrap()]);
+}
+
 #[test]
 fn caps_change_mid_stream() {
     init();
