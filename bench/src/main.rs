@@ -1,8 +1,9 @@
 //! `bench`: figures measured side by side in one run (a command, not a test).
 //!
 //! - `throughput`: block sizes 64 B … 8 MiB through the whole engine (filling thread, sending
-//!   thread, transport, receiver polling) over `mem` and `tcp`, next to a plain TCP loopback copy
-//!   of the same bytes in the same run; prints MB/s and the tcp/plain ratio.
+//!   thread, transport, receiver polling) over `mem`, `tcp` and `shm` (a Unix socket and shared
+//!   memory), next to a plain TCP loopback copy of the same bytes in the same run; prints MB/s and
+//!   the tcp/plain and shm/plain ratios.
 //! - `cameras`: the demo scenario (12 × 640×480 RGB at 25 fps + 2 radars) with the real `sender`
 //!   and `receiver` processes over `tcp`: CPU % per process and per thread group (the sender's
 //!   filling + sending threads, its sources, the receiver's NIC emulation, polling and writers),
@@ -36,6 +37,7 @@ use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{self, TcpConnector};
 use rdmastream::transport::{Connector, Listener, RegionSettings};
 use rdmastream::transport::{RemoteAddr, Target};
+use rdmastream_verbs::shm::{self, ShmConnector};
 use rdmastream_verbs::{self as verbs, VerbsConnector, VerbsSettings};
 
 const SIZES: [usize; 10] = [
@@ -341,15 +343,22 @@ fn throughput(secs: f64) {
         "   transport: sending-thread loop over pre-filled blocks -> transport -> polling that frees each block"
     );
     println!(
-        "{:>8} {:>11} {:>11} {:>14} {:>11} {:>16} {:>13}",
+        "{:>8} {:>11} {:>11} {:>11} {:>14} {:>14} {:>11} {:>10} {:>10} {:>10} {:>10}",
         "block",
         "engine mem",
         "engine tcp",
+        "engine shm",
         "transport tcp",
+        "transport shm",
         "plain TCP",
-        "transport/plain",
-        "engine/plain"
+        "tr tcp/pl",
+        "eng tcp/pl",
+        "tr shm/pl",
+        "eng shm/pl"
     );
+    let socket_dir = std::env::temp_dir().join(format!("rdmastream-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&socket_dir).expect("a directory for the shm sockets");
+    let socket = socket_dir.join("rx.sock");
     let only: Option<usize> = std::env::args()
         .skip_while(|a| a != "--block")
         .nth(1)
@@ -369,22 +378,33 @@ fn throughput(secs: f64) {
         let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
         let addr = l.local_addr();
         let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
+        let shm_connector =
+            || Box::new(ShmConnector::new(&format!("unix:{}", socket.display())).expect("unix:"));
+        let l = shm::listen(&socket, region(block)).unwrap();
+        let engine_shm = engine_rate(block, secs, Box::new(l), shm_connector());
+        let l = shm::listen(&socket, region(block)).unwrap();
+        let transport_shm = transport_rate(block, secs, Box::new(l), shm_connector());
         let plain = if only_tcp {
             1.0
         } else {
             plain_tcp_rate(block, secs)
         };
         println!(
-            "{:>8} {:>11.1} {:>11.1} {:>14.1} {:>11.1} {:>14.0}% {:>12.0}%",
+            "{:>8} {:>11.1} {:>11.1} {:>11.1} {:>14.1} {:>14.1} {:>11.1} {:>9.0}% {:>9.0}% {:>9.0}% {:>9.0}%",
             human(block),
             mem / 1e6,
             tcp / 1e6,
+            engine_shm / 1e6,
             transport / 1e6,
+            transport_shm / 1e6,
             plain / 1e6,
             100.0 * transport / plain,
-            100.0 * tcp / plain
+            100.0 * tcp / plain,
+            100.0 * transport_shm / plain,
+            100.0 * engine_shm / plain
         );
     }
+    let _ = std::fs::remove_dir_all(&socket_dir);
 }
 
 /// Runs a perftest server/client pair on rxe0 and returns the client's result line's columns.
