@@ -39,12 +39,12 @@ pub struct SharedMapping {
     fd: OwnedFd,
 }
 
-// SAFETY: the mapping is plain memory owned by this value until drop; every access goes through
-// bounds-checked methods that copy bytes or use atomics, so sharing the value between threads
-// adds nothing a single thread could not do. (Concurrent writes of the same bytes by several
-// threads are the caller's protocol to avoid, exactly as with another process.)
+// SAFETY: the mapping is plain memory owned by this value until drop (no thread-local state);
+// moving it to another thread moves that ownership.
 unsafe impl Send for SharedMapping {}
-// SAFETY: as for Send: `&SharedMapping` only gives bounds-checked copies and atomic views.
+// SAFETY: through `&SharedMapping` there are only bounds-checked copies *out*, atomic views of
+// single bytes, and `unsafe fn bytes` (whose caller promises no writer); copies *in* take
+// `&mut self`. So threads sharing a `&SharedMapping` cannot race on its bytes among themselves.
 unsafe impl Sync for SharedMapping {}
 
 impl SharedMapping {
@@ -126,8 +126,10 @@ impl SharedMapping {
     }
 
     /// Copies `src` into the mapping at `offset`. Panics if the range is outside the mapping
-    /// (callers check peer-supplied offsets first).
-    pub fn write(&self, offset: usize, src: &[u8]) {
+    /// (callers check peer-supplied offsets first). `&mut self`: within this process the writer
+    /// is the mapping's only user while it writes (threads cannot race on the bytes); the other
+    /// process is kept apart by the protocol.
+    pub fn write(&mut self, offset: usize, src: &[u8]) {
         self.check(offset, src.len());
         // SAFETY: the range is inside the mapping (checked above), which lives as long as
         // `self`; `src` is ordinary memory of this process, so it cannot overlap the mapping. No
@@ -261,7 +263,7 @@ mod tests {
         let a = SharedMapping::create("test", 4096).unwrap();
         let (x, y) = UnixStream::pair().unwrap();
         send_fd(&x, a.fd()).unwrap();
-        let b = SharedMapping::open(recv_fd(&y).unwrap(), 4096).unwrap();
+        let mut b = SharedMapping::open(recv_fd(&y).unwrap(), 4096).unwrap();
         b.write(100, b"hello");
         b.status(7).store(1, Ordering::Release);
         assert_eq!(a.status(7).load(Ordering::Acquire), 1);

@@ -248,7 +248,10 @@ fn handshake(
 /// exited or was killed), stays silent for `timeout`, or `closed` is set (the receiver is done).
 fn watch(mut side: UnixStream, timeout: Duration, closed: &AtomicBool) {
     let interval = rdmastream::transport::heartbeat_interval(timeout);
-    if side.set_read_timeout(Some(interval)).is_err() {
+    // A sender that stops reading (stopped, not dead) must not hold this thread in a write.
+    if side.set_read_timeout(Some(interval)).is_err()
+        || side.set_write_timeout(Some(timeout)).is_err()
+    {
         return;
     }
     let (mut heard, mut sent) = (Instant::now(), Instant::now());
@@ -519,8 +522,8 @@ impl Connection for ShmConnection {
             let at = self.locate(wr.remote, len)?;
             match (wr.remote.target, wr.source) {
                 (Target::Blocks, WriteSource::SendBlock { index, len }) => {
-                    self.blocks
-                        .read(index, len, |src| self.mapping.write(at, src))
+                    let mapping = &mut self.mapping;
+                    self.blocks.read(index, len, |src| mapping.write(at, src))
                 }
                 (Target::Blocks, WriteSource::Inline(bytes)) => self.mapping.write(at, bytes),
                 (Target::Statuses, WriteSource::Inline(bytes)) => self.store_statuses(at, bytes),

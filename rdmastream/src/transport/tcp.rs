@@ -855,8 +855,8 @@ impl Connection for TcpConnection {
     }
 }
 
-/// The receiver's listening side of a transport whose connections start on a TCP side channel
-/// (tcp itself, and verbs): a thread accepts connections and runs each handshake on a thread of
+/// The receiver's listening side of a transport whose connections start on a side channel (a
+/// TCP one for tcp itself and verbs, a Unix socket for shm): a thread accepts connections and runs each handshake on a thread of
 /// its own, queueing the senders that completed it and the connections refused.
 ///
 /// Dropping it stops the accepting thread and waits for it, so the listening socket is closed
