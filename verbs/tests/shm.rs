@@ -380,3 +380,62 @@ fn unix_addresses_pick_shm_and_other_transports_refuse_them() {
     assert!(e.contains("transport = \"shm\""), "{e}");
     assert!(ShmConnector::new("127.0.0.1:5").is_err());
 }
+
+#[test]
+fn each_sender_writes_into_its_own_region() {
+    let mut pair = listen(RegionSettings::plain(2, 4096));
+    let (mut a, region_a, blocks_a) = pair.connect("edge-a", None);
+    let (mut b, region_b, blocks_b) = pair.connect("edge-b", None);
+    blocks_a.fill(0, |x| x[..1].copy_from_slice(b"a"));
+    blocks_b.fill(0, |x| x[..1].copy_from_slice(b"b"));
+    write_block(a.as_mut(), 1, 0, 0, 1);
+    write_block(b.as_mut(), 1, 0, 1, 1);
+    let first = |acc: &Accepted, j: usize| {
+        let mut byte = 0;
+        acc.region.read_block(j, &mut |x| byte = x[0]);
+        (acc.region.status(j), byte)
+    };
+    assert_eq!(first(&region_a, 0), (status::FULL, b'a'));
+    assert_eq!(first(&region_a, 1), (status::EMPTY, 0));
+    assert_eq!(first(&region_b, 0), (status::EMPTY, 0));
+    assert_eq!(first(&region_b, 1), (status::FULL, b'b'));
+}
+
+/// A receiver that hands over memory whose size is not sealed (it could shrink it under the
+/// sender's mapping and crash the sender with SIGBUS) is refused before anything is mapped.
+#[test]
+fn a_receiver_passing_an_unsealed_region_is_refused() {
+    use rdmastream::proto::handshake::Welcome;
+    use rdmastream::transport::tcp::server_handshake;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fake.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut side, _) = listener.accept().unwrap();
+        let settings = RegionSettings::plain(2, 4096);
+        let admitted = server_handshake(&mut side, &settings, DataPath::Shm, "", |_, _| {
+            let welcome = Welcome {
+                blocks: 2,
+                block_size: 4096,
+                status_addr: 0,
+                blocks_addr: shm::blocks_offset(2) as u64,
+                ..Welcome::refusal("")
+            };
+            Ok((welcome, ()))
+        });
+        assert!(admitted.is_ok());
+        let fd = rustix::fs::memfd_create("unsealed", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 1 << 20).unwrap();
+        rdmastream_verbs::shared::send_fd(&side, std::os::fd::AsFd::as_fd(&fd)).unwrap();
+        // Hold the socket until the sender has decided.
+        let _ = std::io::Read::read(&mut side, &mut [0u8; 1]);
+    });
+    let e = ShmConnector::new(&format!("unix:{}", path.display()))
+        .unwrap()
+        .connect(&hello("edge-a", 4096), None, &SendBlocks::new(1, 4096))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("not sealed"), "{e}");
+    fake.join().unwrap();
+}
