@@ -4,12 +4,14 @@
 //!   thread, transport, receiver polling) over `mem`, `tcp` and `shm` (a Unix socket and shared
 //!   memory), next to a plain TCP loopback copy of the same bytes in the same run; prints MB/s and
 //!   the tcp/plain and shm/plain ratios.
-//! - `cameras`: the demo scenario (12 × 640×480 RGB at 25 fps + 2 radars) with the real `sender`
-//!   and `receiver` processes over `tcp`: CPU % per process and per thread group (the sender's
-//!   filling + sending threads, its sources, the receiver's NIC emulation, polling and writers),
-//!   frame latency p50/p99, drops; plus the receiver's idle polling cost.
+//! - `cameras` (`cameras-shm`): the demo scenario (12 × 640×480 RGB at 25 fps + 2 radars) with
+//!   the real `sender` and `receiver` processes over `tcp` (over `shm`): CPU % per process and per
+//!   thread group (the sender's filling + sending threads, its sources, the receiver's NIC
+//!   emulation, polling and writers), frame latency p50/p99, drops; plus the receiver's idle
+//!   polling cost.
 //!
-//! Usage: `cargo run --release -p rdmastream-bench -- [throughput|cameras|all] [--seconds S]`;
+//! Usage: `cargo run --release -p rdmastream-bench -- [throughput|cameras|cameras-shm|all]
+//! [--seconds S]`;
 //! in the Soft-RoCE VM (`scripts/bench-vm.sh [verbs|verbs-sync]`): `verbs`, `verbs-sync [--rounds R]`.
 //! `frame-cpu`: what one 640×480 RGB frame costs the CPU outside the transport (the filling
 //! copy, the CRC32C seal, the receiver's validation), here or in the VM, to compare the two.
@@ -53,7 +55,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|cameras|frame-cpu|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|cameras|cameras-shm|frame-cpu|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M]";
 
 fn main() {
@@ -93,11 +95,13 @@ fn main() {
                 rounds,
             )
         }
-        "cameras" => cameras(seconds.max(5.0) * 2.0),
+        "cameras" => cameras(seconds.max(5.0) * 2.0, "tcp"),
+        "cameras-shm" => cameras(seconds.max(5.0) * 2.0, "shm"),
         "soak" => soak::soak(opt("--minutes", 10.0)),
         "all" => {
             throughput(seconds);
-            cameras(10.0);
+            cameras(10.0, "tcp");
+            cameras(10.0, "shm");
         }
         other => {
             eprintln!("bench: unknown benchmark {other:?}\n{USAGE}");
@@ -749,6 +753,7 @@ fn group(name: &str) -> &'static str {
         n if n.starts_with("poll") => "status polling",
         n if n.starts_with("writer") => "file writers",
         n if n.starts_with("tcp-compl") => "completions",
+        n if n.starts_with("shm-watch") => "shm socket watch",
         _ => "other",
     }
 }
@@ -772,13 +777,19 @@ fn bin(name: &str) -> PathBuf {
     exe.parent().unwrap().join(name)
 }
 
-fn cameras(secs: f64) {
+/// The demo scenario over `transport` (`tcp` on loopback, or `shm` on a Unix socket).
+fn cameras(secs: f64, transport: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
+    let listen = if transport == "shm" {
+        format!("unix:{}", tmp.path().join("rx.sock").display())
+    } else {
+        format!("127.0.0.1:{port}")
+    };
     let out = tmp.path().join("out");
     let rx_cfg = tmp.path().join("receiver.toml");
     std::fs::write(
@@ -790,14 +801,14 @@ fn cameras(secs: f64) {
     std::fs::write(
         &tx_cfg,
         format!(
-            "name = \"bench\"\nreceiver = \"127.0.0.1:{port}\"\ntransport = \"tcp\"\n\
+            "name = \"bench\"\nreceiver = \"{listen}\"\ntransport = \"{transport}\"\n\
              [[device]]\nid = 0\ncount = 12\nsource = \"camera-synthetic\"\n\
              [[device]]\nid = 100\ncount = 2\nsource = \"radar-synthetic\"\n"
         ),
     )
     .unwrap();
     println!(
-        "\n== cameras: 12 x 640x480 RGB @ 25 fps + 2 radars (64 KiB @ 20 Hz), sender and receiver processes over tcp, {secs:.0} s =="
+        "\n== cameras: 12 x 640x480 RGB @ 25 fps + 2 radars (64 KiB @ 20 Hz), sender and receiver processes over {transport}, {secs:.0} s =="
     );
     let (sender_bin, receiver_bin) = (bin("sender"), bin("receiver"));
     if !sender_bin.exists() || !receiver_bin.exists() {
@@ -807,7 +818,6 @@ fn cameras(secs: f64) {
     let rx_log = tmp.path().join("rx.log");
     let tx_log = tmp.path().join("tx.log");
     let log = |p: &Path| std::fs::File::create(p).unwrap();
-    let listen = format!("127.0.0.1:{port}");
     let mut rx = Command::new(&receiver_bin)
         .args([
             "--config",
