@@ -319,9 +319,18 @@ pub fn read_key_file(path: &Path) -> Result<rdmastream::proto::handshake::Key, S
     Key::new(text.trim_ascii().to_vec()).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// True when every address `addr` (`host:port`) resolves to is a loopback address.
+/// The socket path of a `unix:/path` address (the shm transport), or `None` for any other.
+pub fn unix_socket(addr: &str) -> Option<&std::path::Path> {
+    addr.strip_prefix("unix:").map(std::path::Path::new)
+}
+
+/// True when every address `addr` (`host:port`) resolves to is a loopback address, or when it
+/// is a `unix:/path` socket (reachable from this host only, like loopback).
 pub fn is_loopback(addr: &str) -> bool {
     use std::net::ToSocketAddrs;
+    if unix_socket(addr).is_some() {
+        return true;
+    }
     match addr.to_socket_addrs() {
         Ok(mut it) => {
             let all: Vec<_> = it.by_ref().collect();
@@ -388,6 +397,7 @@ mod tests {
         assert_eq!(ByteSize(8 << 30).to_string(), "8 GiB");
         assert!(is_loopback("127.0.0.1:7471") && is_loopback("[::1]:1"));
         assert!(!is_loopback("0.0.0.0:7471"));
+        assert!(is_loopback("unix:/run/rdmastream/rx.sock"));
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! End-to-end through the real threads: sources → filling → sending → transport → polling →
-//! reorder → directory sink, over `mem` and over `tcp` on loopback.
+//! reorder → directory sink, over `mem`, over `tcp` on loopback and over `shm`.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -157,6 +157,20 @@ fn tcp_transport_delivers_every_frame_verified_with_a_retained_block() {
     run_session(
         Box::new(listener),
         Box::new(TcpConnector::new(addr)),
+        16384,
+        60,
+    );
+}
+
+#[test]
+fn shm_transport_delivers_every_frame_verified_with_a_retained_block() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let listener = rdmastream_verbs::shm::listen(&path, settings(6, 16384, vec![2])).unwrap();
+    let addr = listener.local_addr();
+    run_session(
+        Box::new(listener),
+        Box::new(rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap()),
         16384,
         60,
     );

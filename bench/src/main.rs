@@ -1,14 +1,17 @@
 //! `bench`: figures measured side by side in one run (a command, not a test).
 //!
 //! - `throughput`: block sizes 64 B … 8 MiB through the whole engine (filling thread, sending
-//!   thread, transport, receiver polling) over `mem` and `tcp`, next to a plain TCP loopback copy
-//!   of the same bytes in the same run; prints MB/s and the tcp/plain ratio.
-//! - `cameras`: the demo scenario (12 × 640×480 RGB at 25 fps + 2 radars) with the real `sender`
-//!   and `receiver` processes over `tcp`: CPU % per process and per thread group (the sender's
-//!   filling + sending threads, its sources, the receiver's NIC emulation, polling and writers),
-//!   frame latency p50/p99, drops; plus the receiver's idle polling cost.
+//!   thread, transport, receiver polling) over `mem`, `tcp` and `shm` (a Unix socket and shared
+//!   memory), next to a plain TCP loopback copy of the same bytes in the same run; prints MB/s and
+//!   the tcp/plain and shm/plain ratios.
+//! - `cameras` (`cameras-shm`): the demo scenario (12 × 640×480 RGB at 25 fps + 2 radars) with
+//!   the real `sender` and `receiver` processes over `tcp` (over `shm`): CPU % per process and per
+//!   thread group (the sender's filling + sending threads, its sources, the receiver's NIC
+//!   emulation, polling and writers), frame latency p50/p99, drops; plus the receiver's idle
+//!   polling cost.
 //!
-//! Usage: `cargo run --release -p rdmastream-bench -- [throughput|cameras|all] [--seconds S]`;
+//! Usage: `cargo run --release -p rdmastream-bench -- [throughput|cameras|cameras-shm|all]
+//! [--seconds S]`;
 //! in the Soft-RoCE VM (`scripts/bench-vm.sh [verbs|verbs-sync]`): `verbs`, `verbs-sync [--rounds R]`.
 //! `frame-cpu`: what one 640×480 RGB frame costs the CPU outside the transport (the filling
 //! copy, the CRC32C seal, the receiver's validation), here or in the VM, to compare the two.
@@ -37,6 +40,7 @@ use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{self, TcpConnector};
 use rdmastream::transport::{Connector, Listener, RegionSettings};
 use rdmastream::transport::{RemoteAddr, Target};
+use rdmastream_verbs::shm::{self, ShmConnector};
 use rdmastream_verbs::{self as verbs, VerbsConnector, VerbsSettings};
 
 const SIZES: [usize; 10] = [
@@ -52,7 +56,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|cameras|frame-cpu|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|cameras|cameras-shm|frame-cpu|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR]\n       \
                      bench plot DIR";
@@ -148,11 +152,13 @@ fn main() {
                 rounds,
             )
         }
-        "cameras" => cameras(seconds.max(5.0) * 2.0),
+        "cameras" => cameras(seconds.max(5.0) * 2.0, "tcp"),
+        "cameras-shm" => cameras(seconds.max(5.0) * 2.0, "shm"),
         "soak" => soak::soak(opt("--minutes", 10.0)),
         "all" => {
             throughput(seconds);
-            cameras(10.0);
+            cameras(10.0, "tcp");
+            cameras(10.0, "shm");
         }
         other => {
             eprintln!("bench: unknown benchmark {other:?}\n{USAGE}");
@@ -398,15 +404,22 @@ fn throughput(secs: f64) {
         "   transport: sending-thread loop over pre-filled blocks -> transport -> polling that frees each block"
     );
     println!(
-        "{:>8} {:>11} {:>11} {:>14} {:>11} {:>16} {:>13}",
+        "{:>8} {:>11} {:>11} {:>11} {:>14} {:>14} {:>11} {:>10} {:>10} {:>10} {:>10}",
         "block",
         "engine mem",
         "engine tcp",
+        "engine shm",
         "transport tcp",
+        "transport shm",
         "plain TCP",
-        "transport/plain",
-        "engine/plain"
+        "tr tcp/pl",
+        "eng tcp/pl",
+        "tr shm/pl",
+        "eng shm/pl"
     );
+    let socket_dir = std::env::temp_dir().join(format!("rdmastream-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&socket_dir).expect("a directory for the shm sockets");
+    let socket = socket_dir.join("rx.sock");
     let only: Option<usize> = std::env::args()
         .skip_while(|a| a != "--block")
         .nth(1)
@@ -426,22 +439,33 @@ fn throughput(secs: f64) {
         let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
         let addr = l.local_addr();
         let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
+        let shm_connector =
+            || Box::new(ShmConnector::new(&format!("unix:{}", socket.display())).expect("unix:"));
+        let l = shm::listen(&socket, region(block)).unwrap();
+        let engine_shm = engine_rate(block, secs, Box::new(l), shm_connector());
+        let l = shm::listen(&socket, region(block)).unwrap();
+        let transport_shm = transport_rate(block, secs, Box::new(l), shm_connector());
         let plain = if only_tcp {
             1.0
         } else {
             plain_tcp_rate(block, secs)
         };
         println!(
-            "{:>8} {:>11.1} {:>11.1} {:>14.1} {:>11.1} {:>14.0}% {:>12.0}%",
+            "{:>8} {:>11.1} {:>11.1} {:>11.1} {:>14.1} {:>14.1} {:>11.1} {:>9.0}% {:>9.0}% {:>9.0}% {:>9.0}%",
             human(block),
             mem / 1e6,
             tcp / 1e6,
+            engine_shm / 1e6,
             transport / 1e6,
+            transport_shm / 1e6,
             plain / 1e6,
             100.0 * transport / plain,
-            100.0 * tcp / plain
+            100.0 * tcp / plain,
+            100.0 * transport_shm / plain,
+            100.0 * engine_shm / plain
         );
     }
+    let _ = std::fs::remove_dir_all(&socket_dir);
 }
 
 /// Runs a perftest server/client pair on rxe0 and returns the client's result line's columns.
@@ -786,6 +810,7 @@ fn group(name: &str) -> &'static str {
         n if n.starts_with("poll") => "status polling",
         n if n.starts_with("writer") => "file writers",
         n if n.starts_with("tcp-compl") => "completions",
+        n if n.starts_with("shm-watch") => "shm socket watch",
         _ => "other",
     }
 }
@@ -809,13 +834,19 @@ fn bin(name: &str) -> PathBuf {
     exe.parent().unwrap().join(name)
 }
 
-fn cameras(secs: f64) {
+/// The demo scenario over `transport` (`tcp` on loopback, or `shm` on a Unix socket).
+fn cameras(secs: f64, transport: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
+    let listen = if transport == "shm" {
+        format!("unix:{}", tmp.path().join("rx.sock").display())
+    } else {
+        format!("127.0.0.1:{port}")
+    };
     let out = tmp.path().join("out");
     let rx_cfg = tmp.path().join("receiver.toml");
     std::fs::write(
@@ -827,14 +858,14 @@ fn cameras(secs: f64) {
     std::fs::write(
         &tx_cfg,
         format!(
-            "name = \"bench\"\nreceiver = \"127.0.0.1:{port}\"\ntransport = \"tcp\"\n\
+            "name = \"bench\"\nreceiver = \"{listen}\"\ntransport = \"{transport}\"\n\
              [[device]]\nid = 0\ncount = 12\nsource = \"camera-synthetic\"\n\
              [[device]]\nid = 100\ncount = 2\nsource = \"radar-synthetic\"\n"
         ),
     )
     .unwrap();
     println!(
-        "\n== cameras: 12 x 640x480 RGB @ 25 fps + 2 radars (64 KiB @ 20 Hz), sender and receiver processes over tcp, {secs:.0} s =="
+        "\n== cameras: 12 x 640x480 RGB @ 25 fps + 2 radars (64 KiB @ 20 Hz), sender and receiver processes over {transport}, {secs:.0} s =="
     );
     let (sender_bin, receiver_bin) = (bin("sender"), bin("receiver"));
     if !sender_bin.exists() || !receiver_bin.exists() {
@@ -844,7 +875,6 @@ fn cameras(secs: f64) {
     let rx_log = tmp.path().join("rx.log");
     let tx_log = tmp.path().join("tx.log");
     let log = |p: &Path| std::fs::File::create(p).unwrap();
-    let listen = format!("127.0.0.1:{port}");
     let mut rx = Command::new(&receiver_bin)
         .args([
             "--config",

@@ -16,10 +16,11 @@ use rdmastream_verbs::{self as verbs};
 #[repr(u32)]
 #[enum_type(name = "GstRdmaTransport")]
 pub enum Transport {
-    /// RDMA verbs when a usable device is present, else the tcp software transport.
+    /// shm for a `unix:/path` address; else RDMA verbs when a usable device is present, else
+    /// the tcp software transport.
     #[default]
     #[enum_value(
-        name = "Auto: RDMA verbs when a usable device is present, else tcp",
+        name = "Auto: shm for a unix:/path address, else RDMA verbs when a usable device is present, else tcp",
         nick = "auto"
     )]
     Auto = 0,
@@ -38,6 +39,12 @@ pub enum Transport {
         nick = "mem"
     )]
     Mem = 3,
+    /// Shared memory with a peer on this host: the address is `unix:/path` (a Unix socket).
+    #[enum_value(
+        name = "Shm: shared memory with a peer on this host (address unix:/path)",
+        nick = "shm"
+    )]
+    Shm = 4,
 }
 
 impl Transport {
@@ -48,6 +55,7 @@ impl Transport {
             Transport::Verbs => "verbs",
             Transport::Tcp => "tcp",
             Transport::Mem => "mem",
+            Transport::Shm => "shm",
         }
     }
 }
@@ -147,9 +155,12 @@ fn fabric() -> &'static rdmastream::transport::mem::MemFabric {
     &FABRIC
 }
 
-/// `host:port`, with IPv6 literals bracketed.
+/// `host:port`, with IPv6 literals bracketed; a `unix:/path` host (the shm transport) is the
+/// whole address and the port is not used.
 pub fn join_host_port(host: &str, port: u32) -> String {
-    if host.contains(':') && !host.starts_with('[') {
+    if host.starts_with("unix:") {
+        host.to_string()
+    } else if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]:{port}")
     } else {
         format!("{host}:{port}")

@@ -168,6 +168,35 @@ fn buffers_caps_timestamps_and_eos_travel() {
     assert_eq!(caps, vec![GRAY.parse::<gst::Caps>().unwrap()]);
 }
 
+/// The same over the shm transport: `rdmasrc` listens on a Unix socket (`address=unix:/path`),
+/// `rdmasink` connects to it, and the blocks go through shared memory; `transport=auto` picks
+/// shm for the `unix:` address on the sink's side.
+#[test]
+fn buffers_caps_and_eos_travel_over_shm() {
+    init();
+    let dir = tempfile::tempdir().unwrap();
+    let addr = format!("unix:{}", dir.path().join("rx.sock").display());
+    let rx_e = src_element(free_port(), 5, &[]);
+    rx_e.set_property_from_str("transport", "shm");
+    rx_e.set_property("address", &addr);
+    let mut rx = src_harness(&rx_e);
+    let tx_e = sink_element(free_port(), 5, &[]);
+    tx_e.set_property_from_str("transport", "auto");
+    tx_e.set_property("host", &addr);
+    let mut tx = sink_harness(&tx_e, GRAY);
+    for i in 0..5u8 {
+        tx.push(buffer(vec![i; 8], 100 * i as u64, 100)).unwrap();
+    }
+    for i in 0..5u8 {
+        let b = rx.pull().unwrap();
+        assert_eq!(bytes(&b), vec![i; 8]);
+        assert_eq!(b.offset(), i as u64);
+    }
+    assert!(tx.push_event(gst::event::Eos::new()));
+    let caps = caps_until_eos(&mut rx);
+    assert_eq!(caps, vec![GRAY.parse::<gst::Caps>().unwrap()]);
+}
+
 #[test]
 fn caps_change_mid_stream() {
     init();
@@ -582,13 +611,40 @@ fn drops_post_qos_messages_and_stats_arrive_as_element_messages() {
 fn a_second_sender_of_the_same_device_is_reported_on_both_ends() {
     init();
     let port = free_port();
-    let e = src_element(port, 5, &[]);
+    second_sender_reported_on_both_ends(&|e| e.set_property("port", port as u32));
+}
+
+/// The same over shared memory: the notice travels on the second sender's Unix socket.
+#[test]
+fn a_second_sender_of_the_same_device_is_reported_on_both_ends_over_shm() {
+    init();
+    let dir = tempfile::tempdir().unwrap();
+    let addr = format!("unix:{}", dir.path().join("rx.sock").display());
+    second_sender_reported_on_both_ends(&|e| {
+        e.set_property_from_str("transport", "shm");
+        let key = if e.has_property("address") {
+            "address"
+        } else {
+            "host"
+        };
+        e.set_property(key, &addr);
+    });
+}
+
+/// Two sinks (`cam-a`, `cam-b`) of device 5 into one source, each element configured by
+/// `place` (where they meet).
+fn second_sender_reported_on_both_ends(place: &dyn Fn(&gst::Element)) {
+    let e = src_element(free_port(), 5, &[]);
+    place(&e);
     let bus = bus_of(&e);
     let mut rx = src_harness(&e);
-    let mut a = sink(port, 5, GRAY, &[("sender-name", "cam-a".to_value())]);
+    let a_element = sink_element(free_port(), 5, &[("sender-name", "cam-a".to_value())]);
+    place(&a_element);
+    let mut a = sink_harness(&a_element, GRAY);
     a.push(buffer(vec![1; 8], 0, 100)).unwrap();
     assert_eq!(bytes(&rx.pull().unwrap()), vec![1; 8]);
-    let b_element = sink_element(port, 5, &[("sender-name", "cam-b".to_value())]);
+    let b_element = sink_element(free_port(), 5, &[("sender-name", "cam-b".to_value())]);
+    place(&b_element);
     let b_bus = bus_of(&b_element);
     let mut b = sink_harness(&b_element, GRAY);
     b.push(buffer(vec![2; 8], 0, 100)).unwrap();

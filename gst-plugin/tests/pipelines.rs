@@ -1,5 +1,5 @@
-//! The real plugin file in real `gst-launch-1.0` processes over the tcp transport on loopback:
-//! what a user runs. Each test starts the receiving pipeline and the sending one in either order
+//! The real plugin file in real `gst-launch-1.0` processes over the tcp transport on loopback
+//! (and one stream over shm): what a user runs. Each test starts the receiving pipeline and the sending one in either order
 //! (the sink reconnects until the receiver listens) and waits for both to exit.
 
 mod common;
@@ -215,6 +215,42 @@ fn raw_video_arrives_byte_exact_and_eos_ends_both_pipelines() {
         &format!("{src} ! rdmasink port={port} device-id=3 block-size=262144 sync=false"),
     );
     tx.success();
+    rx.success();
+    let (expected, got) = (read(d.join("ref.raw")), read(d.join("out.raw")));
+    assert_eq!(expected.len(), 40 * 921_600);
+    assert!(expected == got, "received bytes differ from videotestsrc's");
+}
+
+/// The same stream over the shm transport: `rdmasrc` listens on a Unix socket and `rdmasink`
+/// (transport auto) connects to it and writes every block into the receiver's shared memory.
+#[test]
+fn raw_video_arrives_byte_exact_over_shm() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let sock = format!("unix:{}", d.join("rx.sock").display());
+    let src = format!("videotestsrc num-buffers=40 pattern=ball ! {RGB_VGA}");
+    run(
+        d,
+        "reference",
+        &format!("{src} ! filesink location=ref.raw"),
+    );
+    // The properties after the ones Launch::start puts first win.
+    let rx = Launch::start(
+        d,
+        "receiver",
+        &format!(
+            "rdmasrc transport=shm address={sock} device-id=3 block-size=262144 ! filesink location=out.raw"
+        ),
+    );
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!(
+            "{src} ! rdmasink transport=auto host={sock} device-id=3 block-size=262144 sync=false"
+        ),
+    );
+    tx.success();
+    // A unix: address works over shm only: tcp and verbs refuse it.
     rx.success();
     let (expected, got) = (read(d.join("ref.raw")), read(d.join("out.raw")));
     assert_eq!(expected.len(), 40 * 921_600);

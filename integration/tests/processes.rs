@@ -1,6 +1,7 @@
 //! The real `sender` and `receiver` processes. On the host they run over the `tcp` transport on
 //! loopback; `scripts/test-vm.sh` runs the same tests over `verbs` on Soft-RoCE inside a VM
-//! (`RDMASTREAM_IT_TRANSPORT=verbs`, smaller frames).
+//! (`RDMASTREAM_IT_TRANSPORT=verbs`, smaller frames). The `_over_shm` tests run the same
+//! scenarios over the shm transport (`unix:` addresses, shared memory) wherever they run.
 
 mod common;
 
@@ -40,7 +41,15 @@ fn check_device(
 /// blocks. The receiver posts no work request.
 #[test]
 fn frames_arrive_complete_in_order_bit_exact_across_retained_blocks_and_packet_wrap() {
-    let it = it();
+    frames_arrive_complete_in_order_bit_exact_across_retained_blocks_and_packet_wrap_on(it());
+}
+
+#[test]
+fn frames_arrive_complete_in_order_bit_exact_across_retained_blocks_and_packet_wrap_over_shm() {
+    frames_arrive_complete_in_order_bit_exact_across_retained_blocks_and_packet_wrap_on(It::shm());
+}
+
+fn frames_arrive_complete_in_order_bit_exact_across_retained_blocks_and_packet_wrap_on(it: It) {
     let tmp = tempfile::tempdir().unwrap();
     let port = free_port();
     let out = tmp.path().join("out");
@@ -123,7 +132,15 @@ fn frames_arrive_complete_in_order_bit_exact_across_retained_blocks_and_packet_w
 /// (scripts/test-vm.sh runs this over verbs too.)
 #[test]
 fn receiver_killed_and_restarted_mid_stream() {
-    let it = it();
+    receiver_killed_and_restarted_mid_stream_on(it());
+}
+
+#[test]
+fn receiver_killed_and_restarted_mid_stream_over_shm() {
+    receiver_killed_and_restarted_mid_stream_on(It::shm());
+}
+
+fn receiver_killed_and_restarted_mid_stream_on(it: It) {
     let tmp = tempfile::tempdir().unwrap();
     let port = free_port();
     let out = tmp.path().join("out");
@@ -226,7 +243,15 @@ fn receiver_killed_and_restarted_mid_stream() {
 /// own region and output directory.
 #[test]
 fn two_senders_into_one_receiver() {
-    let it = it();
+    two_senders_into_one_receiver_on(it());
+}
+
+#[test]
+fn two_senders_into_one_receiver_over_shm() {
+    two_senders_into_one_receiver_on(It::shm());
+}
+
+fn two_senders_into_one_receiver_on(it: It) {
     let tmp = tempfile::tempdir().unwrap();
     let port = free_port();
     let out = tmp.path().join("out");
@@ -553,5 +578,149 @@ fn copied_binaries_stream_with_built_in_defaults_from_an_empty_directory() {
     for device in (0..12).chain([100, 101]) {
         let files = frame_files(&dir.join(format!("out/edge-1/device-{device:03}")));
         assert!(!files.is_empty(), "device {device}: no frames");
+    }
+}
+
+/// Over shm the sender writes straight into the receiver's memory. One killed (SIGKILL) in the
+/// middle of a stream of multi-block frames leaves no torn frame file: a block it had not
+/// finished has no FULL status byte, and a frame missing blocks is never written. The receiver
+/// notices the socket closing and frees the region; a restarted sender (a new session) streams
+/// again, every frame of its lossless devices arrives bit-exact and in order after the first
+/// run's files, and those stay exactly as they were.
+#[test]
+fn sender_killed_mid_frame_and_restarted_over_shm() {
+    let it = It::shm();
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let out = tmp.path().join("out");
+    let rx_cfg = receiver_config(tmp.path(), &it, "");
+    let (w, h) = (320, 240);
+    let radar = 3_000_000; // three 1 MiB blocks a frame: most kills land mid-frame
+    let devices = |frames: &str| {
+        format!(
+            "[[device]]\nid = 1\nsource = \"camera-synthetic\"\nwidth = {w}\nheight = {h}\nfps = 50\n\
+             policy = \"block\"\n{frames}\
+             [[device]]\nid = 9\nsource = \"radar-synthetic\"\nsize = {radar}\nrate = 20\n\
+             policy = \"block\"\n{frames}"
+        )
+    };
+    let tx1_cfg = sender_config(
+        tmp.path(),
+        &it,
+        "tx1.toml",
+        "edge-crash",
+        port,
+        &devices(""),
+    );
+    let tx2_cfg = sender_config(
+        tmp.path(),
+        &it,
+        "tx2.toml",
+        "edge-crash",
+        port,
+        &devices("frames = 30\n"),
+    );
+    let (rx_log, tx1_log, tx2_log) = (
+        tmp.path().join("rx.log"),
+        tmp.path().join("tx1.log"),
+        tmp.path().join("tx2.log"),
+    );
+    let listen = it.addr(port);
+    // Killed when the test ends (its senders do not all end their streams, so it would wait
+    // sender_gone_after for the killed one).
+    let _rx = KillOnDrop(spawn(
+        &bin("receiver"),
+        &receiver_args(&rx_cfg, &listen, &out),
+        &rx_log,
+    ));
+    rdmastream_testkit::wait_listening(&rx_log);
+    let mut tx1 = spawn(
+        &bin("sender"),
+        &["--config", tx1_cfg.to_str().unwrap()],
+        &tx1_log,
+    );
+    let (cam, rad) = (
+        out.join("edge-crash/device-001"),
+        out.join("edge-crash/device-009"),
+    );
+    assert!(
+        wait_for(Duration::from_secs(60), || frame_files(&cam).len() >= 10
+            && frame_files(&rad).len() >= 3),
+        "no frames before the kill:\n{}\n{}",
+        tail(&rx_log),
+        tail(&tx1_log)
+    );
+    tx1.kill().unwrap();
+    tx1.wait().unwrap();
+    assert!(
+        wait_for(Duration::from_secs(30), || std::fs::read_to_string(&rx_log)
+            .unwrap_or_default()
+            .contains("sender disconnected")),
+        "the receiver did not notice the killed sender:\n{}",
+        tail(&rx_log)
+    );
+    let first: Vec<Vec<(u64, Vec<u8>)>> = [&cam, &rad]
+        .iter()
+        .map(|dir| {
+            frame_files(dir)
+                .into_iter()
+                .map(|(i, p)| (i, std::fs::read(p).unwrap()))
+                .collect()
+        })
+        .collect();
+    for (dir, files) in [&cam, &rad].iter().zip(&first) {
+        let indices: Vec<u64> = files.iter().map(|(i, _)| *i).collect();
+        assert_eq!(
+            indices,
+            (0..files.len() as u64).collect::<Vec<_>>(),
+            "{}: first run's frames missing or out of order",
+            dir.display()
+        );
+    }
+    // Every file the killed sender left is a whole frame, bit-exact.
+    for (index, path) in frame_files(&cam) {
+        check_camera_file(&path, 1, index, w, h);
+    }
+    for (index, path) in frame_files(&rad) {
+        check_radar_file(&path, 9, index, radar);
+    }
+    let mut tx2 = spawn(
+        &bin("sender"),
+        &["--config", tx2_cfg.to_str().unwrap()],
+        &tx2_log,
+    );
+    exits_ok(&mut tx2, Duration::from_secs(120), "sender", &tx2_log);
+    let base: Vec<u64> = first.iter().map(|f| f.len() as u64).collect();
+    assert!(
+        wait_for(Duration::from_secs(60), || frame_files(&cam).len() as u64
+            == base[0] + 30
+            && frame_files(&rad).len() as u64 == base[1] + 30),
+        "the restarted sender's frames did not all arrive:\n{}",
+        tail(&rx_log)
+    );
+    for ((dir, files), base) in [&cam, &rad].iter().zip(&first).zip(&base) {
+        let after = frame_files(dir);
+        for (i, data) in files {
+            let path = &after.iter().find(|(j, _)| j == i).unwrap().1;
+            assert!(
+                &std::fs::read(path).unwrap() == data,
+                "{} was overwritten",
+                path.display()
+            );
+        }
+        // The second session's frames follow, each the source's frame 0.. again.
+        for (k, (_, path)) in after.iter().filter(|(i, _)| i >= base).enumerate() {
+            if *dir == &cam {
+                check_camera_file(path, 1, k as u64, w, h);
+            } else {
+                check_radar_file(path, 9, k as u64, radar);
+            }
+        }
+        let leftovers = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .count();
+        assert_eq!(leftovers, 0, "{}: temporary files left", dir.display());
     }
 }

@@ -56,6 +56,9 @@ pub enum DataPath {
     Tcp = 0,
     /// RDMA verbs: the receiver connects an RC queue pair to `QpInfo`.
     Verbs = 1,
+    /// Shared memory on one host: the receiver passes its region (a memfd) over the Unix socket
+    /// the handshake ran on, and the sender writes into it directly.
+    Shm = 2,
 }
 
 /// Sender → receiver, first.
@@ -269,6 +272,7 @@ impl Hello {
         let data_path = match r.u8()? {
             0 => DataPath::Tcp,
             1 => DataPath::Verbs,
+            2 => DataPath::Shm,
             _ => return Err(HandshakeError::BadField("data path")),
         };
         let qp = r.qp()?;

@@ -49,6 +49,13 @@ pub enum Error {
         /// What the verbs layer reported (`rdmastream_verbs::ibv::VerbsError`).
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// Creating, sealing, passing or mapping the shared memory of the shm transport failed.
+    #[error("shared memory with {peer}: {op}: {source}")]
+    SharedMemory {
+        peer: String,
+        op: String,
+        source: io::Error,
+    },
     /// A thread of the engine panicked (a bug); `message` is the panic's text when it had one.
     #[error("the {thread} thread panicked: {message}")]
     Panicked { thread: String, message: String },

@@ -38,10 +38,10 @@ struct Cli {
     /// Exit once every sender that connected has ended all its streams and disconnected.
     #[arg(long)]
     exit_after_eos: bool,
-    /// Override `listen` (address:port).
+    /// Override `listen` (address:port, or unix:/path for the shm transport).
     #[arg(long)]
     listen: Option<String>,
-    /// Override `transport` (auto, verbs, tcp).
+    /// Override `transport` (auto, verbs, tcp, shm; auto is shm for a unix:/path address).
     #[arg(long)]
     transport: Option<String>,
     /// Override `metrics`: serve /metrics, /healthz, /readyz and the status page at / on this

@@ -29,13 +29,13 @@ struct Cli {
     /// device sends end-of-stream).
     #[arg(long, value_name = "SECS")]
     duration: Option<f64>,
-    /// Override `receiver` (host:port).
+    /// Override `receiver` (host:port, or unix:/path for the shm transport).
     #[arg(long)]
     receiver: Option<String>,
     /// Override `name`.
     #[arg(long)]
     name: Option<String>,
-    /// Override `transport` (auto, verbs, tcp).
+    /// Override `transport` (auto, verbs, tcp, shm; auto is shm for a unix:/path address).
     #[arg(long)]
     transport: Option<String>,
     /// Override `metrics`: serve /metrics, /healthz and /readyz on this address:port.

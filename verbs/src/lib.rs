@@ -13,8 +13,13 @@
 //! that only ever acts as responder, and answers with a Welcome carrying addresses, rkeys and
 //! its queue pair. The side channel stays open: its end tells the receiver the sender is gone.
 //! The receiver never posts a work request ([`posted_work_requests`] counts them per process).
+//!
+//! The shm transport ([`shm`], for a sender and a receiver on one host) lives here too: it maps
+//! memory another process writes, which takes `unsafe` ([`shared`]).
 
 pub mod ibv;
+pub mod shared;
+pub mod shm;
 
 use std::net::{Shutdown, TcpStream};
 use std::ops::Range;
@@ -67,17 +72,40 @@ fn rdma_err(op: impl Into<String>, cause: ibv::VerbsError) -> Error {
     }
 }
 
-/// Resolves a `transport` setting (`auto`, `verbs`, `tcp`). `auto` uses verbs when the
-/// configured RDMA device is usable and otherwise says in one log line why it falls back to
-/// tcp; `verbs` without a usable device is an error naming what was looked for.
-pub fn choose(transport: &str, verbs: &VerbsSettings) -> Result<Kind> {
-    match transport {
-        "tcp" => Ok(Kind::Tcp),
-        "verbs" => probe(verbs).map(|what| {
+/// Resolves a `transport` setting (`auto`, `verbs`, `tcp`, `shm`) for the address `addr` (the
+/// receiver to connect to, or the address to listen on). A `unix:/path` address is the shm
+/// transport: `auto` picks it, and `shm` needs such an address (tcp and verbs cannot use one).
+/// For other addresses `auto` uses verbs when the configured RDMA device is usable and otherwise
+/// says in one log line why it falls back to tcp; `verbs` without a usable device is an error
+/// naming what was looked for.
+pub fn choose(transport: &str, addr: &str, verbs: &VerbsSettings) -> Result<Kind> {
+    let unix = shm::socket_path(addr).is_some();
+    match (transport, unix) {
+        ("shm" | "auto", true) => {
+            if transport == "auto" {
+                tracing::info!("transport auto: {addr} is a Unix socket; using shared memory");
+            }
+            Ok(Kind::Shm)
+        }
+        ("shm", false) => Err(Error::Invalid {
+            key: "transport".into(),
+            reason: format!(
+                "shm needs a unix:/path address (sender and receiver on one host), not {addr:?}"
+            ),
+        }),
+        ("tcp" | "verbs", true) => Err(Error::Invalid {
+            key: "transport".into(),
+            reason: format!(
+                "{transport} cannot use the Unix socket address {addr:?}: use transport = \"shm\" \
+                 (or \"auto\") for it, or a host:port address"
+            ),
+        }),
+        ("tcp", false) => Ok(Kind::Tcp),
+        ("verbs", false) => probe(verbs).map(|what| {
             tracing::info!("transport verbs: {what}");
             Kind::Verbs
         }),
-        "auto" => match probe(verbs) {
+        ("auto", false) => match probe(verbs) {
             Ok(what) => {
                 tracing::info!("transport auto: using RDMA verbs on {what}");
                 Ok(Kind::Verbs)
@@ -99,17 +127,17 @@ pub fn choose(transport: &str, verbs: &VerbsSettings) -> Result<Kind> {
                 Ok(Kind::Tcp)
             }
         },
-        other => Err(Error::Invalid {
+        (other, _) => Err(Error::Invalid {
             key: "transport".into(),
-            reason: format!("{other:?} is not one of auto, verbs, tcp"),
+            reason: format!("{other:?} is not one of auto, verbs, tcp, shm"),
         }),
     }
 }
 
-/// A connector to the receiver `peer` (`host:port`) over the transport the `transport` setting
-/// (`auto`, `verbs`, `tcp`) resolves to ([`choose`]); `peer_timeout` is how long a silent
-/// receiver is given. The one place where the setting becomes a transport, for the `sender`
-/// binary and `rdmasink` alike.
+/// A connector to the receiver `peer` (`host:port`, or `unix:/path` for shm) over the transport
+/// the `transport` setting (`auto`, `verbs`, `tcp`, `shm`) resolves to ([`choose`]);
+/// `peer_timeout` is how long a silent receiver is given. The one place where the setting
+/// becomes a transport, for the `sender` binary and `rdmasink` alike.
 pub fn connector(
     transport: &str,
     peer: &str,
@@ -117,7 +145,7 @@ pub fn connector(
     max_outstanding: usize,
     peer_timeout: Duration,
 ) -> Result<(Kind, Box<dyn Connector>)> {
-    let kind = choose(transport, verbs)?;
+    let kind = choose(transport, peer, verbs)?;
     let c: Box<dyn Connector> = match kind {
         Kind::Tcp => Box::new(
             rdmastream::transport::tcp::TcpConnector::new(peer).with_peer_timeout(peer_timeout),
@@ -126,22 +154,28 @@ pub fn connector(
             VerbsConnector::new(peer, verbs.clone(), max_outstanding)?
                 .with_peer_timeout(peer_timeout),
         ),
+        Kind::Shm => Box::new(shm::ShmConnector::new(peer)?.with_peer_timeout(peer_timeout)),
     };
     Ok((kind, c))
 }
 
-/// A listener on `addr` (`address:port`) over the transport the `transport` setting resolves
-/// to ([`choose`]), offering `region` to each sender: the `receiver` binary's and `rdmasrc`'s.
+/// A listener on `addr` (`address:port`, or `unix:/path` for shm) over the transport the
+/// `transport` setting resolves to ([`choose`]), offering `region` to each sender: the
+/// `receiver` binary's and `rdmasrc`'s.
 pub fn listener(
     transport: &str,
     addr: &str,
     region: RegionSettings,
     verbs: &VerbsSettings,
 ) -> Result<(Kind, SideChannelListener)> {
-    let kind = choose(transport, verbs)?;
+    let kind = choose(transport, addr, verbs)?;
     let l = match kind {
         Kind::Tcp => rdmastream::transport::tcp::listen(addr, region)?,
         Kind::Verbs => listen(addr, region, verbs.clone())?,
+        Kind::Shm => shm::listen(
+            shm::socket_path(addr).expect("choose picked shm for a unix: address"),
+            region,
+        )?,
     };
     Ok((kind, l))
 }

@@ -23,6 +23,41 @@ pub(crate) fn seconds_within(
     }
 }
 
+/// Checks `transport` against the address it is used with (`addr_key`: `listen` or
+/// `receiver`): one of auto, tcp, verbs, shm; a `unix:/path` address is the shm transport's
+/// (auto picks it), and shm takes nothing else. Returns the key at fault and why.
+pub(crate) fn check_transport(
+    transport: &str,
+    addr: &str,
+    addr_key: &'static str,
+) -> Result<(), (&'static str, String)> {
+    let unix = crate::cli::unix_socket(addr);
+    match (transport, unix) {
+        ("auto" | "shm", Some(path)) if path.as_os_str().is_empty() => Err((
+            addr_key,
+            format!("{addr:?} names no socket path (unix:/path/of/the/socket)"),
+        )),
+        ("auto" | "shm", Some(_)) => Ok(()),
+        ("shm", None) => Err((
+            "transport",
+            format!(
+                "shm (sender and receiver on one host) needs a unix:/path address, and                  {addr_key} is {addr:?}"
+            ),
+        )),
+        ("tcp" | "verbs", Some(_)) => Err((
+            "transport",
+            format!(
+                "{transport} cannot use the Unix socket address {addr:?} ({addr_key}): set                  transport = \"shm\" (or \"auto\"), or use a host:port address"
+            ),
+        )),
+        ("auto" | "tcp" | "verbs", None) => Ok(()),
+        (other, _) => Err((
+            "transport",
+            format!("{other:?} is not one of auto, tcp, verbs, shm"),
+        )),
+    }
+}
+
 /// Checks the `metrics` key (`--metrics`): an `address:port` to serve metrics on.
 pub(crate) fn check_metrics(
     file: &std::path::Path,
@@ -75,6 +110,56 @@ mod shipped_tests {
         assert!(e.key == "metrics" && e.reason.contains("::nonsense"), "{e}");
         // The default is no HTTP server.
         assert_eq!(ReceiverConfig::parse("", file).unwrap().metrics, None);
+    }
+
+    /// `unix:/path` addresses are the shm transport's: `auto` and `shm` take them (anonymous is
+    /// fine, as on loopback), `tcp`/`verbs` do not, and `shm` takes nothing else.
+    #[test]
+    fn unix_addresses_go_with_the_shm_transport() {
+        let file = Path::new("r.toml");
+        for transport in ["auto", "shm"] {
+            let text = format!("listen = \"unix:/run/rx.sock\"\ntransport = \"{transport}\"");
+            ReceiverConfig::parse(&text, file)
+                .unwrap()
+                .validate(file)
+                .unwrap();
+        }
+        let text = "listen = \"unix:/run/rx.sock\"\ntransport = \"tcp\"";
+        let e = ReceiverConfig::parse(text, file)
+            .unwrap()
+            .validate(file)
+            .unwrap_err();
+        assert!(e.key == "transport" && e.reason.contains("shm"), "{e}");
+        let text = "transport = \"shm\"";
+        let e = ReceiverConfig::parse(text, file)
+            .unwrap()
+            .validate(file)
+            .unwrap_err();
+        assert!(
+            e.key == "transport" && e.reason.contains("unix:/path"),
+            "{e}"
+        );
+        let sender = |receiver: &str, transport: &str| {
+            let text = format!(
+                "name = \"a\"\nreceiver = \"{receiver}\"\ntransport = \"{transport}\"\n\
+                 [[device]]\nid = 0\nsource = \"radar-synthetic\"\n"
+            );
+            SenderConfig::parse(&text, file).unwrap().validate(file)
+        };
+        assert!(sender("unix:/run/rx.sock", "auto").is_ok());
+        assert!(sender("unix:/run/rx.sock", "shm").is_ok());
+        let Err(e) = sender("unix:/run/rx.sock", "verbs") else {
+            panic!("verbs to a unix: address is accepted")
+        };
+        assert!(e.key == "transport" && e.reason.contains("receiver"), "{e}");
+        let Err(e) = sender("127.0.0.1:1", "shm") else {
+            panic!("shm to host:port is accepted")
+        };
+        assert_eq!(e.key, "transport", "{e}");
+        let Err(e) = sender("127.0.0.1:1", "udp") else {
+            panic!("an unknown transport is accepted")
+        };
+        assert!(e.reason.contains("auto, tcp, verbs, shm"), "{e}");
     }
 
     /// The shipped configs document the defaults: every key they set has the value the code

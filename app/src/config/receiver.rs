@@ -236,12 +236,8 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
     if cfg.ib_port == 0 {
         return Err(err("ib_port", "ports are numbered from 1".into()));
     }
-    if !matches!(cfg.transport.as_str(), "auto" | "tcp" | "verbs") {
-        return Err(err(
-            "transport",
-            format!("{:?} is not one of auto, tcp, verbs", cfg.transport),
-        ));
-    }
+    super::check_transport(&cfg.transport, &cfg.listen, "listen")
+        .map_err(|(key, why)| err(key, why))?;
     if cfg.max_device > 255 {
         return Err(err("max_device", format!("{} is over 255", cfg.max_device)));
     }
@@ -296,10 +292,15 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
             ),
         ));
     }
-    if let Err(e) = std::net::ToSocketAddrs::to_socket_addrs(cfg.listen.as_str()) {
+    if crate::cli::unix_socket(&cfg.listen).is_none()
+        && let Err(e) = std::net::ToSocketAddrs::to_socket_addrs(cfg.listen.as_str())
+    {
         return Err(err(
             "listen",
-            format!("{:?} is not an address:port to listen on ({e})", cfg.listen),
+            format!(
+                "{:?} is not an address:port (or unix:/path) to listen on ({e})",
+                cfg.listen
+            ),
         ));
     }
     let keys = receiver_keys(cfg, file)?;

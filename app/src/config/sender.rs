@@ -183,12 +183,8 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
     if cfg.ib_port == 0 {
         return Err(err("ib_port", "ports are numbered from 1".into()));
     }
-    if !matches!(cfg.transport.as_str(), "auto" | "tcp" | "verbs") {
-        return Err(err(
-            "transport",
-            format!("{:?} is not one of auto, tcp, verbs", cfg.transport),
-        ));
-    }
+    super::check_transport(&cfg.transport, &cfg.receiver, "receiver")
+        .map_err(|(key, why)| err(key, why))?;
     let mut devices = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     for (n, d) in cfg.device.iter().enumerate() {

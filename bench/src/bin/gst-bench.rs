@@ -1,4 +1,5 @@
-//! `gst-bench`: rdmasink/rdmasrc (over the tcp software transport, or `--transport verbs`)
+//! `gst-bench`: rdmasink/rdmasrc (over the tcp software transport, or `--transport verbs`, or
+//! `--transport shm` on a Unix socket)
 //! against tcpserversink/tcpclientsrc (with gdppay/gdpdepay) and shmsink/shmsrc, side by side in
 //! one run: 640×480 RGB at 25 fps (live) and unthrottled. Prints frames per second at the
 //! receiver, latency p50/p99 (sender's sink input → receiver's sink input) and CPU of each
@@ -74,6 +75,15 @@ fn caps() -> String {
 }
 
 impl Run {
+    /// Where rdmasrc listens and rdmasink connects: a Unix socket for `--transport shm`.
+    fn rdma_host(&self) -> String {
+        if self.transport == "shm" {
+            format!("unix:{}", self.socket)
+        } else {
+            "127.0.0.1".into()
+        }
+    }
+
     fn send_pipeline(&self) -> String {
         let (port, socket, transport) = (self.port, &self.socket, &self.transport);
         // Unthrottled: not live and nobody syncs to the clock, so frames go as fast as the
@@ -84,9 +94,10 @@ impl Run {
             caps()
         );
         let sink = match self.variant {
-            Variant::Rdma => {
-                format!("rdmasink host=127.0.0.1 port={port} transport={transport} sync=false")
-            }
+            Variant::Rdma => format!(
+                "rdmasink host={} port={port} transport={transport} sync=false",
+                self.rdma_host()
+            ),
             // A bounded client queue that skips to the newest buffer when the client lags,
             // instead of growing without limit.
             Variant::Tcp => format!(
@@ -104,7 +115,10 @@ impl Run {
     fn recv_pipeline(&self) -> String {
         let (port, socket, transport) = (self.port, &self.socket, &self.transport);
         let src = match self.variant {
-            Variant::Rdma => format!("rdmasrc address=127.0.0.1 port={port} transport={transport}"),
+            Variant::Rdma => format!(
+                "rdmasrc address={} port={port} transport={transport}",
+                self.rdma_host()
+            ),
             Variant::Tcp => format!("tcpclientsrc host=127.0.0.1 port={port} ! gdpdepay"),
             // shmsrc carries no caps: they have to be known in advance.
             Variant::Shm => format!("shmsrc socket-path={socket} is-live=true ! {}", caps()),
@@ -334,7 +348,7 @@ fn main() {
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto] [--only rdma,tcp,shm]\n\
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm]\n\
              Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
              for 640x480 RGB at 25 fps and unthrottled."
         );

@@ -518,7 +518,9 @@ fn transmission_latency(
         for size in SMALL.into_iter().chain(LARGE_LATENCY) {
             let mut link = connect(net, m, SEND_BLOCKS, size);
             let iters = if size >= 1 << 20 {
-                scale.latency_iters.min(if net == Net::Verbs { 20 } else { 50 })
+                scale
+                    .latency_iters
+                    .min(if net == Net::Verbs { 20 } else { 50 })
             } else {
                 scale.latency_iters
             };

@@ -365,7 +365,7 @@ impl ObjectImpl for RdmaSink {
             vec![
                 glib::ParamSpecString::builder("host")
                     .nick("Host")
-                    .blurb("Receiver host name or address")
+                    .blurb("Receiver host name or address, or unix:/path of a receiver on this host (the shm transport; port unused)")
                     .default_value(Some(DEFAULT_HOST))
                     .mutable_ready()
                     .build(),

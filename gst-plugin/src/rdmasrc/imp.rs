@@ -473,7 +473,7 @@ impl ObjectImpl for RdmaSrc {
             vec![
                 glib::ParamSpecString::builder("address")
                     .nick("Address")
-                    .blurb("Address to accept senders on")
+                    .blurb("Address to accept senders on, or unix:/path of a Unix socket for senders on this host (the shm transport; port unused)")
                     .default_value(Some(DEFAULT_ADDRESS))
                     .mutable_ready()
                     .build(),

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-/// Where and how the tests run: `RDMASTREAM_IT_TRANSPORT` (tcp, verbs), `RDMASTREAM_IT_HOST`
+/// Where and how the tests run: `RDMASTREAM_IT_TRANSPORT` (tcp, verbs, shm), `RDMASTREAM_IT_HOST`
 /// (the address the receiver listens on), `RDMASTREAM_IT_SMALL` (fewer and smaller frames, for
 /// the Soft-RoCE VM under software CPU emulation; implied by verbs).
 pub struct It {
@@ -39,8 +39,22 @@ impl It {
         }
     }
 
-    /// `host:port` on the test host.
+    /// The environment's settings over the shm transport (sender and receiver on this host,
+    /// `unix:` addresses), for the tests that run over it whatever the environment says.
+    pub fn shm() -> It {
+        It {
+            transport: "shm".into(),
+            ..it()
+        }
+    }
+
+    /// `host:port` on the test host; over shm, a Unix socket in the temporary directory named
+    /// after `port` (a free port number keeps concurrent tests apart).
     pub fn addr(&self, port: u16) -> String {
+        if self.transport == "shm" {
+            let path = std::env::temp_dir().join(format!("rdmastream-it-{port}.sock"));
+            return format!("unix:{}", path.display());
+        }
         format!("{}:{port}", self.host)
     }
 }

@@ -11,6 +11,12 @@
 //!   the sender posts the WRITE chain and the sync READ on one RC queue pair; the receiver only
 //!   registers its region and exchanges keys over a TCP side channel (the handshake helpers in
 //!   [`tcp`]). All of the project's `unsafe` code is there.
+//! - shm (the `rdmastream-verbs` crate too, because it maps memory another process writes): a
+//!   sender and a receiver on one host. The receiver's region is a sealed memfd it passes to the
+//!   sender over the Unix socket the handshake ran on (`unix:/path` addresses); the sender copies
+//!   block bytes straight into it and then stores the status byte with release ordering, reads
+//!   the status array directly for a sync, and its completions are immediate. Heartbeats and
+//!   the end of the socket carry liveness.
 //!
 //! The receiver side of every transport is passive: the receiver's own code only reads blocks
 //! and stores status bytes in its [`Region`]; it never posts anything.
@@ -494,6 +500,7 @@ impl std::fmt::Display for RefusalKind {
 pub enum Kind {
     Tcp,
     Verbs,
+    Shm,
 }
 
 impl std::fmt::Display for Kind {
@@ -501,6 +508,7 @@ impl std::fmt::Display for Kind {
         f.write_str(match self {
             Kind::Tcp => "tcp",
             Kind::Verbs => "verbs",
+            Kind::Shm => "shm",
         })
     }
 }

@@ -13,6 +13,8 @@
 
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -90,8 +92,59 @@ fn target_of(code: u8) -> Option<Target> {
     }
 }
 
+/// A stream a handshake runs on: the TCP side channel (tcp, verbs) or the Unix socket of the
+/// shm transport.
+pub trait SideStream: Read + Write {
+    /// As [`TcpStream::set_read_timeout`].
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()>;
+    /// Ends the connection both ways (errors ignored: it may be gone already).
+    fn shutdown_both(&self);
+    /// Who is on the other end, for messages.
+    fn peer_name(&self) -> String;
+    /// Per-socket tuning before the handshake (TCP: no Nagle delay).
+    fn tune(&self) {}
+}
+
+impl SideStream for TcpStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_read_timeout(self, timeout)
+    }
+    fn shutdown_both(&self) {
+        let _ = self.shutdown(Shutdown::Both);
+    }
+    fn peer_name(&self) -> String {
+        self.peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_else(|_| "unknown peer".into())
+    }
+    fn tune(&self) {
+        let _ = self.set_nodelay(true);
+    }
+}
+
+impl SideStream for UnixStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> std::io::Result<()> {
+        UnixStream::set_read_timeout(self, timeout)
+    }
+    fn shutdown_both(&self) {
+        let _ = self.shutdown(Shutdown::Both);
+    }
+    /// A connecting Unix socket has no name of its own: the socket path it came in on (or went
+    /// out to) is what tells one receiver's peers from another's.
+    fn peer_name(&self) -> String {
+        let named = |a: std::os::unix::net::SocketAddr| {
+            a.as_pathname().map(|p| format!("unix:{}", p.display()))
+        };
+        self.peer_addr()
+            .ok()
+            .and_then(named)
+            .or_else(|| self.local_addr().ok().and_then(named))
+            .unwrap_or_else(|| "unix peer".into())
+    }
+}
+
 /// Writes one length-prefixed handshake message.
-pub fn send_message(stream: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+pub fn send_message<S: Write>(stream: &mut S, body: &[u8]) -> std::io::Result<()> {
     let mut framed = Vec::with_capacity(4 + body.len());
     framed.extend_from_slice(&(body.len() as u32).to_le_bytes());
     framed.extend_from_slice(body);
@@ -101,7 +154,11 @@ pub fn send_message(stream: &mut TcpStream, body: &[u8]) -> std::io::Result<()> 
 /// Reads exactly `buf.len()` bytes, giving up at `deadline`: the read timeout is set to what is
 /// left before every read, so a peer that trickles one byte every few seconds cannot stretch a
 /// handshake past its deadline.
-fn read_until(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+fn read_until<S: SideStream>(
+    stream: &mut S,
+    buf: &mut [u8],
+    deadline: Instant,
+) -> std::io::Result<()> {
     let mut got = 0;
     while got < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -129,8 +186,8 @@ fn read_until(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> std:
 }
 
 /// Reads one length-prefixed handshake message (bounded by [`MAX_MESSAGE`]) before `deadline`.
-pub fn recv_message(
-    stream: &mut TcpStream,
+pub fn recv_message<S: SideStream>(
+    stream: &mut S,
     deadline: Instant,
 ) -> std::result::Result<Vec<u8>, String> {
     let mut len = [0u8; 4];
@@ -178,6 +235,18 @@ pub fn client_handshake(
     let mut stream =
         TcpStream::connect_timeout(&sock, Duration::from_secs(3)).map_err(connect_err)?;
     stream.set_nodelay(true).map_err(connect_err)?;
+    let welcome = client_handshake_on(&mut stream, peer, hello, key)?;
+    Ok((stream, welcome))
+}
+
+/// [`client_handshake`] on a stream already connected to `peer` (the shm transport's Unix
+/// socket). The read timeout is cleared when it returns `Ok`.
+pub fn client_handshake_on<S: SideStream>(
+    stream: &mut S,
+    peer: &str,
+    hello: &Hello,
+    key: Option<&Key>,
+) -> Result<Welcome> {
     let hs_err = |reason: String| Error::Handshake {
         peer: peer.to_string(),
         reason,
@@ -196,8 +265,8 @@ pub fn client_handshake(
         ..hello.clone()
     };
     let hello_bytes = hello.encode();
-    send_message(&mut stream, &hello_bytes).map_err(|e| hs_err(format!("sending hello: {e}")))?;
-    let body = recv_message(&mut stream, deadline).map_err(hs_err)?;
+    send_message(stream, &hello_bytes).map_err(|e| hs_err(format!("sending hello: {e}")))?;
+    let body = recv_message(stream, deadline).map_err(hs_err)?;
     if let Ok(w) = Welcome::decode(&body) {
         return Err(if w.error.is_empty() {
             hs_err("welcome before the challenge".into())
@@ -226,9 +295,8 @@ pub fn client_handshake(
         version: PROTOCOL_VERSION,
         mac,
     };
-    send_message(&mut stream, &proof.encode())
-        .map_err(|e| hs_err(format!("sending proof: {e}")))?;
-    let welcome_bytes = recv_message(&mut stream, deadline).map_err(hs_err)?;
+    send_message(stream, &proof.encode()).map_err(|e| hs_err(format!("sending proof: {e}")))?;
+    let welcome_bytes = recv_message(stream, deadline).map_err(hs_err)?;
     let welcome =
         Welcome::decode(&welcome_bytes).map_err(|e| hs_err(format!("bad welcome: {e}")))?;
     if !welcome.error.is_empty() {
@@ -245,18 +313,23 @@ pub fn client_handshake(
     stream
         .set_read_timeout(None)
         .map_err(|e| hs_err(e.to_string()))?;
-    Ok((stream, welcome))
+    Ok(welcome)
 }
 
 /// Refuses a connection: logs why with the peer (rate-limited), answers with a refusal, closes.
-pub fn refuse(stream: &mut TcpStream, peer: &str, kind: RefusalKind, why: String) -> Refusal {
+pub fn refuse<S: SideStream>(
+    stream: &mut S,
+    peer: &str,
+    kind: RefusalKind,
+    why: String,
+) -> Refusal {
     crate::warn_limited!(
         format!("refused-{kind}"),
         "refused connection from {peer} ({kind}): {}",
         logsafe::clean(&why, logsafe::MAX_PEER_TEXT)
     );
     let _ = send_message(stream, &Welcome::refusal(why.clone()).encode());
-    let _ = stream.shutdown(Shutdown::Both);
+    stream.shutdown_both();
     Refusal {
         peer: peer.to_string(),
         why,
@@ -290,19 +363,16 @@ pub struct Admitted<T> {
 /// transport needs and produce the Welcome, which it proves and sends. The whole exchange must
 /// finish within [`HANDSHAKE_TIMEOUT`]. On any problem the connection is refused and the refusal
 /// returned; nothing is allocated before the sender proved its key.
-pub fn server_handshake<T>(
-    stream: &mut TcpStream,
+pub fn server_handshake<T, S: SideStream>(
+    stream: &mut S,
     settings: &RegionSettings,
     path: DataPath,
     wrong_path: &str,
     build: impl FnOnce(&Hello, &Lease) -> std::result::Result<(Welcome, T), (RefusalKind, String)>,
 ) -> std::result::Result<Admitted<T>, Refusal> {
     let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-    let peer = stream
-        .peer_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_else(|_| "unknown peer".into());
-    let _ = stream.set_nodelay(true);
+    let peer = stream.peer_name();
+    stream.tune();
     let hello_bytes = match recv_message(stream, deadline) {
         Ok(b) => b,
         Err(e) => {
@@ -324,7 +394,7 @@ pub fn server_handshake<T>(
                 );
                 crate::warn_limited!("refused-version", "refused connection from {peer}: {why}");
                 let _ = send_message(stream, &Welcome::encode_v1_refusal(&why));
-                let _ = stream.shutdown(Shutdown::Both);
+                stream.shutdown_both();
                 return Err(Refusal {
                     peer,
                     why,
@@ -825,8 +895,8 @@ impl Connection for TcpConnection {
     }
 }
 
-/// The receiver's listening side of a transport whose connections start on a TCP side channel
-/// (tcp itself, and verbs): a thread accepts connections and runs each handshake on a thread of
+/// The receiver's listening side of a transport whose connections start on a side channel (a
+/// TCP one for tcp itself and verbs, a Unix socket for shm): a thread accepts connections and runs each handshake on a thread of
 /// its own, queueing the senders that completed it and the connections refused.
 ///
 /// Dropping it stops the accepting thread and waits for it, so the listening socket is closed
@@ -835,6 +905,9 @@ impl Connection for TcpConnection {
 pub struct SideChannelListener {
     transport: &'static str,
     local: String,
+    /// The Unix socket this listener bound (device and inode), removed again on drop if it is
+    /// still that socket.
+    socket_file: Option<(PathBuf, (u64, u64))>,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
     accepted: Receiver<Accepted>,
@@ -862,14 +935,16 @@ struct InProgress {
 /// A handshake slot, given back when dropped (also when the handshake thread panics).
 struct Slot {
     table: Arc<Mutex<InProgress>>,
-    ip: std::net::IpAddr,
+    /// The remote address (none on a Unix socket: every peer is on this host, and only the
+    /// total limit applies).
+    ip: Option<std::net::IpAddr>,
 }
 
 impl Slot {
     /// Takes a slot for a connection from `ip`, or says why not.
     fn take(
         table: &Arc<Mutex<InProgress>>,
-        ip: std::net::IpAddr,
+        ip: Option<std::net::IpAddr>,
     ) -> std::result::Result<Slot, String> {
         let mut t = table.lock();
         if t.total >= MAX_HANDSHAKES {
@@ -877,6 +952,13 @@ impl Slot {
                 "closed at once: {MAX_HANDSHAKES} handshakes already in progress"
             ));
         }
+        let Some(ip) = ip else {
+            t.total += 1;
+            return Ok(Slot {
+                table: table.clone(),
+                ip: None,
+            });
+        };
         let n = t.per_address.entry(ip).or_insert(0);
         if *n >= MAX_HANDSHAKES_PER_ADDRESS {
             return Err(format!(
@@ -887,7 +969,7 @@ impl Slot {
         t.total += 1;
         Ok(Slot {
             table: table.clone(),
-            ip,
+            ip: Some(ip),
         })
     }
 }
@@ -896,10 +978,12 @@ impl Drop for Slot {
     fn drop(&mut self) {
         let mut t = self.table.lock();
         t.total -= 1;
-        if let Some(n) = t.per_address.get_mut(&self.ip) {
+        if let Some(ip) = self.ip
+            && let Some(n) = t.per_address.get_mut(&ip)
+        {
             *n -= 1;
             if *n == 0 {
-                t.per_address.remove(&self.ip);
+                t.per_address.remove(&ip);
             }
         }
     }
@@ -921,6 +1005,56 @@ impl SideChannelListener {
         let listener = TcpListener::bind(addr).map_err(listen_err)?;
         let local = listener.local_addr().map_err(listen_err)?.to_string();
         listener.set_nonblocking(true).map_err(listen_err)?;
+        let accept = move || {
+            let (stream, peer) = listener.accept()?;
+            stream.set_nonblocking(false)?;
+            Ok((stream, Some(peer.ip()), peer.to_string()))
+        };
+        Self::serve(transport, local, None, accept, handshake)
+    }
+
+    /// Binds the Unix socket `path` (the shm transport) like [`SideChannelListener::bind`]. A
+    /// socket file left behind by a receiver that was killed is replaced; one that another
+    /// receiver still listens on is "address in use". The socket file is removed on drop.
+    pub fn bind_unix(
+        transport: &'static str,
+        path: &Path,
+        handshake: impl Fn(UnixStream) -> std::result::Result<Accepted, Refusal> + Send + Sync + 'static,
+    ) -> Result<SideChannelListener> {
+        let local = format!("unix:{}", path.display());
+        let listen_err = |source| Error::Listen {
+            addr: local.clone(),
+            source,
+        };
+        let listener = bind_unix_socket(path).map_err(listen_err)?;
+        listener.set_nonblocking(true).map_err(listen_err)?;
+        let identity = {
+            use std::os::unix::fs::MetadataExt;
+            let m = std::fs::metadata(path).map_err(listen_err)?;
+            (m.dev(), m.ino())
+        };
+        let peer = local.clone();
+        let accept = move || {
+            let (stream, _) = listener.accept()?;
+            stream.set_nonblocking(false)?;
+            Ok((stream, None, peer.clone()))
+        };
+        let mut l = Self::serve(transport, local, None, accept, handshake)?;
+        l.socket_file = Some((path.to_path_buf(), identity));
+        Ok(l)
+    }
+
+    /// Runs the accepting thread: `accept` yields a connection (blocking), its remote IP
+    /// address for the per-address limit, and its peer name for messages.
+    fn serve<S: Send + 'static>(
+        transport: &'static str,
+        local: String,
+        socket_file: Option<(PathBuf, (u64, u64))>,
+        mut accept: impl FnMut() -> std::io::Result<(S, Option<std::net::IpAddr>, String)>
+        + Send
+        + 'static,
+        handshake: impl Fn(S) -> std::result::Result<Accepted, Refusal> + Send + Sync + 'static,
+    ) -> Result<SideChannelListener> {
         let (accepted_tx, accepted) = crossbeam_channel::unbounded();
         let (refused_tx, refused) = crossbeam_channel::bounded(super::MAX_REFUSALS);
         let handshake = Arc::new(handshake);
@@ -930,24 +1064,21 @@ impl SideChannelListener {
         let thread_name = format!("{transport}-accept");
         let thread = spawn(thread_name, move || {
             while !stopping.load(Ordering::Acquire) {
-                match listener.accept() {
-                    Ok((stream, peer)) => {
-                        let slot = match Slot::take(&in_progress, peer.ip()) {
+                match accept() {
+                    Ok((stream, ip, peer)) => {
+                        let slot = match Slot::take(&in_progress, ip) {
                             Ok(s) => s,
                             Err(why) => {
                                 // A flood of idle connections must not become a flood of threads.
                                 crate::warn_limited!("handshake-slots", "{peer}: {why}");
                                 let _ = refused_tx.try_send(Refusal {
-                                    peer: peer.to_string(),
+                                    peer,
                                     why,
                                     kind: RefusalKind::HandshakeLimit,
                                 });
                                 continue;
                             }
                         };
-                        if stream.set_nonblocking(false).is_err() {
-                            continue;
-                        }
                         let (handshake, accepted_tx, refused_tx) =
                             (handshake.clone(), accepted_tx.clone(), refused_tx.clone());
                         let spawned = spawn(format!("{transport}-handshake"), move || {
@@ -981,11 +1112,37 @@ impl SideChannelListener {
         Ok(SideChannelListener {
             transport,
             local,
+            socket_file,
             stop,
             thread: Some(thread),
             accepted,
             refused,
         })
+    }
+}
+
+/// Binds a Unix socket at `path`, replacing a socket file nobody listens on any more (left by a
+/// receiver that was killed) but never one a live receiver holds, nor a file that is not a
+/// socket.
+fn bind_unix_socket(path: &Path) -> std::io::Result<UnixListener> {
+    match UnixListener::bind(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            use std::os::unix::fs::FileTypeExt;
+            let is_socket = std::fs::symlink_metadata(path)
+                .map(|m| m.file_type().is_socket())
+                .unwrap_or(false);
+            let stale = is_socket
+                && matches!(
+                    UnixStream::connect(path),
+                    Err(c) if c.kind() == std::io::ErrorKind::ConnectionRefused
+                );
+            if !stale {
+                return Err(e);
+            }
+            std::fs::remove_file(path)?;
+            UnixListener::bind(path)
+        }
+        r => r,
     }
 }
 
@@ -1009,6 +1166,14 @@ impl Drop for SideChannelListener {
         self.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        // The listening socket is closed now; its file goes too, unless another receiver has
+        // bound the path since (then the file is that one's).
+        if let Some((path, identity)) = self.socket_file.take() {
+            use std::os::unix::fs::MetadataExt;
+            if std::fs::metadata(&path).is_ok_and(|m| (m.dev(), m.ino()) == identity) {
+                let _ = std::fs::remove_file(&path);
+            }
         }
     }
 }

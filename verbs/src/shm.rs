@@ -1,0 +1,595 @@
+//! The shm transport: the status-byte mechanism between a sender and a receiver on one host
+//! (processes, or containers sharing a volume for the socket), with the receiver's region in
+//! shared memory.
+//!
+//! Connection setup runs on a Unix socket (`unix:/path`): the same handshake as the other
+//! transports (Hello, challenge and proofs, admission, the memory budget; data path 2). Once the
+//! sender is admitted, the receiver creates its region as a memfd — the status array at offset
+//! 0, the memory blocks from the Welcome's `blocks_addr` on — seals its size, sends the Welcome
+//! and then the memfd itself (SCM_RIGHTS). The sender maps it and from then on plays the NIC
+//! itself: a write chain copies the block's bytes straight into the receiver's block and then
+//! stores the status byte with release ordering; a sync loads the status array with acquire
+//! ordering; both complete at once (the completion is returned by the next poll). Each sender
+//! gets its own memfd, so it can reach no other sender's region.
+//!
+//! The socket stays open: heartbeat bytes go both ways on it, and its end (a sender killed with
+//! SIGKILL included) tells the receiver the sender is gone, as the side channel does for verbs.
+//! The receiver never writes a block and never posts anything; its polling threads load status
+//! bytes as they do on every transport.
+//!
+//! This module forbids `unsafe` except in one function, [`ShmRegion::block_bytes`], which
+//! views a block the protocol keeps the sender away from (the same argument as the verbs
+//! transport's); the mapping itself is [`crate::shared`].
+#![deny(unsafe_code)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::shared::{SharedMapping, recv_fd, send_fd};
+use rdmastream::error::{Error, Result, spawn};
+use rdmastream::proto::handshake::{DataPath, Hello, Key, Welcome};
+use rdmastream::proto::{RemoteLayout, status};
+use rdmastream::transport::tcp::{
+    Admitted, HANDSHAKE_TIMEOUT, SideChannelListener, client_handshake_on, lost, server_handshake,
+};
+use rdmastream::transport::{
+    Accepted, Completion, Connection, Connector, HeldBytes, Notice, NoticeQueue, Refusal,
+    RefusalKind, Region, RegionSettings, RemoteAddr, RetainedBlock, SendBlocks, SideChannelReader,
+    Target, WriteSource, WriteWr,
+};
+
+/// The address scheme of the shm transport: `unix:/path/of/the/socket`.
+pub const SCHEME: &str = "unix:";
+
+/// The socket path of a `unix:` address, or `None` for any other address.
+pub fn socket_path(addr: &str) -> Option<&Path> {
+    addr.strip_prefix(SCHEME)
+        .filter(|p| !p.is_empty())
+        .map(Path::new)
+}
+
+/// Where the memory blocks start in a region of `blocks` blocks: after the status array,
+/// rounded up to a cache line so no block shares one with status bytes.
+pub fn blocks_offset(blocks: usize) -> usize {
+    blocks.div_ceil(64) * 64
+}
+
+// ---------------------------------------------------------------------------------------------
+// Receiver side
+// ---------------------------------------------------------------------------------------------
+
+/// Listens for senders of the shm transport on the Unix socket `path`; each gets its own region
+/// in a memfd from `settings`.
+pub fn listen(path: &Path, settings: RegionSettings) -> Result<SideChannelListener> {
+    SideChannelListener::bind_unix("shm", path, move |stream| handshake(stream, &settings))
+}
+
+/// One sender's region: a memfd mapped here and in the sender.
+pub struct ShmRegion {
+    layout: RemoteLayout,
+    mapping: SharedMapping,
+    blocks_at: usize,
+    closed: AtomicBool,
+    retained: AtomicUsize,
+    /// The socket, to end the connection on [`Region::disconnect`].
+    side: Mutex<Option<UnixStream>>,
+    /// Notices for the sender, written on the socket by its watching thread.
+    notices: NoticeQueue,
+    _reservation: rdmastream::proto::Reservation,
+}
+
+impl ShmRegion {
+    /// The bytes of block `j`.
+    #[allow(unsafe_code)]
+    fn block_bytes(&self, j: usize) -> &[u8] {
+        let b = self.layout.block_size;
+        // SAFETY: callers only look at a block whose status byte is FULL or RETAINED, and the
+        // sender writes a block only while its status byte is EMPTY (docs/protocol.md: only the
+        // sender turns a 0 into anything else, and the receiver turns it back to 0 only when it
+        // is done with the block and every slice of it is gone — a retained block's slice lives
+        // in its `RetainedBlock`, whose drop stores the 0). So no write reaches these bytes while
+        // the slice lives. A sender that breaks the protocol can change bytes of its own region
+        // only (its own memfd); the seal check rejects what it tears, as over verbs.
+        unsafe { self.mapping.bytes(self.blocks_at + j * b, b) }
+    }
+}
+
+impl Region for ShmRegion {
+    fn layout(&self) -> RemoteLayout {
+        self.layout
+    }
+    fn status(&self, j: usize) -> u8 {
+        self.mapping.status(j).load(Ordering::Acquire)
+    }
+    fn set_status(&self, j: usize, value: u8) {
+        self.mapping.status(j).store(value, Ordering::Release)
+    }
+    fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8])) {
+        f(self.block_bytes(j))
+    }
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+    fn disconnect(&self) {
+        if let Some(side) = self.side.lock().take() {
+            let _ = side.shutdown(std::net::Shutdown::Both);
+        }
+        self.closed.store(true, Ordering::Release);
+    }
+    fn retain(self: Arc<Self>, j: usize) -> RetainedBlock {
+        self.set_status(j, status::RETAINED);
+        self.retained.fetch_add(1, Ordering::Relaxed);
+        RetainedBlock::new(
+            self.clone(),
+            j,
+            Box::new(ShmHeld {
+                region: self,
+                index: j,
+            }),
+        )
+    }
+    fn retained(&self) -> usize {
+        self.retained.load(Ordering::Relaxed)
+    }
+    fn release(&self, j: usize) {
+        self.retained.fetch_sub(1, Ordering::Relaxed);
+        self.set_status(j, status::EMPTY);
+    }
+    fn abandon(&self, _j: usize) {
+        self.retained.fetch_sub(1, Ordering::Relaxed);
+    }
+    fn notify(&self, notice: Notice) {
+        if !self.is_closed() {
+            self.notices.push(notice);
+        }
+    }
+}
+
+struct ShmHeld {
+    region: Arc<ShmRegion>,
+    index: usize,
+}
+
+impl HeldBytes for ShmHeld {
+    fn bytes(&self) -> &[u8] {
+        // The block stays RETAINED while this exists, so the sender skips it.
+        self.region.block_bytes(self.index)
+    }
+}
+
+/// The receiver's half: the handshake, then the region (memory reserved from the budget, memfd
+/// created and sealed only after admission), the Welcome, the memfd, and a thread that watches
+/// the socket.
+fn handshake(
+    mut side: UnixStream,
+    settings: &RegionSettings,
+) -> std::result::Result<Accepted, Refusal> {
+    let (n, b) = (settings.blocks, settings.block_size);
+    let blocks_at = blocks_offset(n);
+    let Admitted {
+        hello,
+        peer,
+        lease,
+        built: (mapping, memory),
+    } = server_handshake(
+        &mut side,
+        settings,
+        DataPath::Shm,
+        "this receiver speaks the shm transport (a unix: address); set transport = \"shm\" or \"auto\" on the sender",
+        |hello, _| {
+            let memory = settings.reserve_region()?;
+            let len = n
+                .checked_mul(b)
+                .and_then(|blocks| blocks.checked_add(blocks_at))
+                .ok_or((RefusalKind::Resources, "region size overflows".to_string()))?;
+            let mapping = SharedMapping::create(&format!("rdmastream-{}", hello.sender), len)
+                .map_err(|e| {
+                    (
+                        RefusalKind::Resources,
+                        format!("cannot create {len} bytes of shared memory: {e}"),
+                    )
+                })?;
+            for &j in &settings.reserved_blocks {
+                mapping.status(j).store(status::RETAINED, Ordering::Release);
+            }
+            let welcome = Welcome {
+                blocks: n as u32,
+                block_size: b as u32,
+                status_addr: 0,
+                blocks_addr: blocks_at as u64,
+                ..Welcome::refusal("")
+            };
+            Ok((welcome, (mapping, memory)))
+        },
+    )?;
+    if let Err(e) = send_fd(&side, mapping.fd()) {
+        return Err(lost(
+            &peer,
+            &hello.sender,
+            format!("passing the region: {e}"),
+        ));
+    }
+    let region = Arc::new(ShmRegion {
+        layout: RemoteLayout {
+            blocks: n,
+            block_size: b,
+        },
+        mapping,
+        blocks_at,
+        closed: AtomicBool::new(false),
+        retained: AtomicUsize::new(0),
+        side: Mutex::new(side.try_clone().ok()),
+        notices: NoticeQueue::default(),
+        _reservation: memory.region,
+    });
+    let watched = region.clone();
+    let timeout = settings.peer_timeout;
+    let watcher = spawn(format!("shm-watch-{}", hello.sender), move || {
+        watch(side, timeout, &watched.closed, &watched.notices);
+        watched.closed.store(true, Ordering::Release);
+    });
+    if let Err(e) = watcher {
+        region.closed.store(true, Ordering::Release);
+        return Err(Refusal {
+            peer,
+            why: format!("sender '{}': {e}", hello.sender),
+            kind: RefusalKind::Resources,
+        });
+    }
+    let region: Arc<dyn Region> = region;
+    lease.attach(&region);
+    Ok(Accepted {
+        hello,
+        peer,
+        region,
+        lease,
+        memory: memory.reassembly,
+    })
+}
+
+/// Reads the sender's heartbeats and sends the receiver's and its notices (framed as on the
+/// verbs side channel) until the socket ends (the sender exited or was killed), stays silent
+/// for `timeout`, or `closed` is set (the receiver is done).
+fn watch(mut side: UnixStream, timeout: Duration, closed: &AtomicBool, notices: &NoticeQueue) {
+    let interval = rdmastream::transport::heartbeat_interval(timeout);
+    // A sender that stops reading (stopped, not dead) must not hold this thread in a write.
+    if side.set_read_timeout(Some(interval)).is_err()
+        || side.set_write_timeout(Some(timeout)).is_err()
+    {
+        return;
+    }
+    let (mut heard, mut sent) = (Instant::now(), Instant::now());
+    let mut buf = [0u8; 64];
+    while !closed.load(Ordering::Acquire) {
+        match side.read(&mut buf) {
+            Ok(0) => return,
+            Ok(_) => heard = Instant::now(),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => return,
+        }
+        if heard.elapsed() >= timeout {
+            tracing::info!(
+                "shm sender silent for {:.1} s (peer timeout): gone",
+                heard.elapsed().as_secs_f64()
+            );
+            return;
+        }
+        for n in notices.take() {
+            if side.write_all(&n.side_frame()).is_err() {
+                return;
+            }
+        }
+        if sent.elapsed() >= interval {
+            sent = Instant::now();
+            if side.write_all(&[0]).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sender side
+// ---------------------------------------------------------------------------------------------
+
+/// Connects a sender to a receiver's Unix socket.
+pub struct ShmConnector {
+    addr: String,
+    path: PathBuf,
+    peer_timeout: Duration,
+}
+
+impl ShmConnector {
+    /// A connector to `addr` (`unix:/path`).
+    pub fn new(addr: &str) -> Result<ShmConnector> {
+        let path = socket_path(addr).ok_or_else(|| {
+            Error::invalid(
+                "receiver",
+                format!("{addr:?}: the shm transport needs a unix:/path address"),
+            )
+        })?;
+        Ok(ShmConnector {
+            path: path.to_path_buf(),
+            addr: addr.to_string(),
+            peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+        })
+    }
+
+    /// Gives a connection up when the receiver has been silent on the socket for `timeout`.
+    pub fn with_peer_timeout(mut self, timeout: Duration) -> ShmConnector {
+        self.peer_timeout = timeout;
+        self
+    }
+}
+
+impl Connector for ShmConnector {
+    fn transport(&self) -> &'static str {
+        "shm"
+    }
+
+    fn peer(&self) -> String {
+        self.addr.clone()
+    }
+
+    fn connect(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn Connection>> {
+        let peer = self.addr.clone();
+        let mut side = UnixStream::connect(&self.path).map_err(|source| Error::Connect {
+            peer: peer.clone(),
+            source,
+        })?;
+        let hello = Hello {
+            data_path: DataPath::Shm,
+            ..hello.clone()
+        };
+        let welcome = client_handshake_on(&mut side, &peer, &hello, key)?;
+        let hs_err = |reason: String| Error::Handshake {
+            peer: peer.clone(),
+            reason,
+        };
+        let (n, b) = (welcome.blocks as usize, welcome.block_size as usize);
+        let status_at = usize::try_from(welcome.status_addr).ok();
+        let blocks_at = usize::try_from(welcome.blocks_addr).ok();
+        // The Welcome is the receiver's word (proved when there is a key); its offsets are
+        // still checked before anything is mapped or written.
+        let len = match (status_at, blocks_at) {
+            (Some(s), Some(at)) if s.checked_add(n).is_some_and(|end| end <= at) => n
+                .checked_mul(b)
+                .and_then(|bytes| bytes.checked_add(at))
+                .ok_or_else(|| hs_err("the region's size overflows".into()))?,
+            _ => {
+                return Err(hs_err(format!(
+                    "the Welcome's status array ({}) and blocks ({}) overlap",
+                    welcome.status_addr, welcome.blocks_addr
+                )));
+            }
+        };
+        side.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(|e| hs_err(e.to_string()))?;
+        let fd = recv_fd(&side).map_err(|e| hs_err(format!("receiving the region: {e}")))?;
+        let mapping = SharedMapping::open(fd, len).map_err(|source| Error::SharedMemory {
+            peer: peer.clone(),
+            op: format!("mapping the {len}-byte region"),
+            source,
+        })?;
+        // Non-blocking: the liveness check only looks at what has arrived.
+        side.set_nonblocking(true)
+            .map_err(|e| hs_err(e.to_string()))?;
+        let now = Instant::now();
+        Ok(Box::new(ShmConnection {
+            peer,
+            layout: RemoteLayout {
+                blocks: n,
+                block_size: b,
+            },
+            mapping,
+            status_at: status_at.expect("checked"),
+            blocks_at: blocks_at.expect("checked"),
+            blocks: blocks.clone(),
+            done: Vec::new(),
+            side,
+            checked: now,
+            heard: now,
+            sent: now,
+            peer_timeout: self.peer_timeout,
+            reader: SideChannelReader::default(),
+            notices: Vec::new(),
+        }))
+    }
+}
+
+/// The sender's end: the receiver's region mapped here, and the socket for liveness.
+pub struct ShmConnection {
+    peer: String,
+    layout: RemoteLayout,
+    mapping: SharedMapping,
+    status_at: usize,
+    blocks_at: usize,
+    blocks: Arc<SendBlocks>,
+    /// Completions of work already done, returned by the next poll.
+    done: Vec<Completion>,
+    side: UnixStream,
+    checked: Instant,
+    /// When the receiver's last heartbeat byte came, and this side's last went out.
+    heard: Instant,
+    sent: Instant,
+    peer_timeout: Duration,
+    /// Splits the receiver's bytes into heartbeats and notices.
+    reader: SideChannelReader,
+    /// Notices read, not yet taken.
+    notices: Vec<Notice>,
+}
+
+impl ShmConnection {
+    fn lost(&self, reason: impl std::fmt::Display) -> Error {
+        Error::Disconnected {
+            peer: self.peer.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// Where `len` bytes at `remote` are in the mapping, checked as an RNIC checks an rkey's
+    /// bounds: inside the target and, for memory blocks, inside one block. The offsets come
+    /// from this process's own protocol machine, but a bad one must fail the connection like a
+    /// remote access error, never write outside the region.
+    fn locate(&self, remote: RemoteAddr, len: usize) -> Result<usize> {
+        let (unit, count, base) = match remote.target {
+            Target::Blocks => (
+                self.layout.block_size as u64,
+                self.layout.blocks as u64,
+                self.blocks_at,
+            ),
+            Target::Statuses => (1, self.layout.blocks as u64, self.status_at),
+        };
+        let offset = remote.offset;
+        let fits = offset.checked_add(len as u64).is_some_and(|end| {
+            let index = offset / unit;
+            index < count
+                && end <= unit * count
+                && (remote.target == Target::Statuses || offset % unit + len as u64 <= unit)
+        });
+        if !fits {
+            return Err(self.lost(format!(
+                "remote access error: {len} bytes at {:?}+{offset} are outside the region",
+                remote.target
+            )));
+        }
+        Ok(base + offset as usize)
+    }
+
+    /// Stores status bytes, each with release ordering: everything this thread wrote into the
+    /// region before (the block's bytes) is visible to whoever loads one with acquire.
+    fn store_statuses(&self, at: usize, bytes: &[u8]) {
+        for (k, &v) in bytes.iter().enumerate() {
+            self.mapping.status(at + k).store(v, Ordering::Release);
+        }
+    }
+
+    /// Reads the receiver's heartbeats (at most every 50 ms), fails once the socket ended or
+    /// was silent for the peer timeout, and sends this side's heartbeat when due.
+    fn check_socket(&mut self) -> Result<()> {
+        if self.checked.elapsed() < Duration::from_millis(50) {
+            return Ok(());
+        }
+        self.checked = Instant::now();
+        let mut bytes = [0u8; 64];
+        loop {
+            match self.side.read(&mut bytes) {
+                Ok(0) => return Err(self.lost("the receiver closed the socket")),
+                Ok(n) => {
+                    self.heard = Instant::now();
+                    if let Err(why) = self.reader.feed(&bytes[..n], &mut self.notices) {
+                        return Err(self.lost(format!("protocol error: {why}")));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.lost(format!("socket: {e}"))),
+            }
+        }
+        if self.heard.elapsed() >= self.peer_timeout {
+            return Err(self.lost(format!(
+                "no heartbeat from the receiver for {:.1} s (peer timeout)",
+                self.heard.elapsed().as_secs_f64()
+            )));
+        }
+        if self.sent.elapsed() >= rdmastream::transport::heartbeat_interval(self.peer_timeout) {
+            self.sent = Instant::now();
+            match self.side.write(&[0]) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(self.lost(format!("socket: {e}"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ShmConnection {
+    fn drop(&mut self) {
+        let _ = self.side.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl Connection for ShmConnection {
+    fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    fn layout(&self) -> RemoteLayout {
+        self.layout
+    }
+
+    /// Applies the chain in order, as an RC queue pair places it: a block's bytes are copied
+    /// into the receiver's block, then its status byte is stored with release ordering.
+    fn post_write_chain(&mut self, wr_id: u64, chain: &[WriteWr<'_>]) -> Result<()> {
+        let mut signaled = false;
+        for wr in chain {
+            let len = match wr.source {
+                WriteSource::SendBlock { len, .. } => len,
+                WriteSource::Inline(bytes) => bytes.len(),
+            };
+            let at = self.locate(wr.remote, len)?;
+            match (wr.remote.target, wr.source) {
+                (Target::Blocks, WriteSource::SendBlock { index, len }) => {
+                    let mapping = &mut self.mapping;
+                    self.blocks.read(index, len, |src| mapping.write(at, src))
+                }
+                (Target::Blocks, WriteSource::Inline(bytes)) => self.mapping.write(at, bytes),
+                (Target::Statuses, WriteSource::Inline(bytes)) => self.store_statuses(at, bytes),
+                (Target::Statuses, WriteSource::SendBlock { index, len }) => {
+                    self.blocks
+                        .read(index, len, |src| self.store_statuses(at, src))
+                }
+            }
+            signaled |= wr.signaled;
+        }
+        if signaled {
+            self.done.push(Completion::Write { wr_id });
+        }
+        Ok(())
+    }
+
+    /// The sync: the status array, each byte loaded with acquire ordering. Only the status
+    /// array may be read, as over RDMA.
+    fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()> {
+        if remote.target != Target::Statuses {
+            return Err(self.lost("remote access error: memory blocks do not allow remote READ"));
+        }
+        let at = self.locate(remote, len)?;
+        let data = (at..at + len)
+            .map(|i| self.mapping.status(i).load(Ordering::Acquire))
+            .collect();
+        self.done.push(Completion::Read { wr_id, data });
+        Ok(())
+    }
+
+    /// Work is done when it is posted: this returns what was posted since the last call.
+    fn poll_completions(&mut self, out: &mut Vec<Completion>, _timeout: Duration) -> Result<()> {
+        out.append(&mut self.done);
+        Ok(())
+    }
+
+    fn heartbeat(&mut self) -> Result<()> {
+        self.check_socket()
+    }
+    fn take_notices(&mut self) -> Vec<Notice> {
+        std::mem::take(&mut self.notices)
+    }
+}
