@@ -507,6 +507,34 @@ fn elements_are_made_from_rdma_uris() {
     }
 }
 
+/// `rdma+unix:///path` URIs make elements on the shm transport, and the pair they make streams.
+#[test]
+fn elements_made_from_rdma_unix_uris_stream_over_shm() {
+    init();
+    let dir = tempfile::tempdir().unwrap();
+    let uri = format!(
+        "rdma+unix://{}?device-id=6",
+        dir.path().join("rx.sock").display()
+    );
+    let src = gst::Element::make_from_uri(gst::URIType::Src, &uri, None)
+        .expect("an rdmasrc for an rdma+unix:// URI");
+    assert_eq!(src.factory().unwrap().name(), "rdmasrc");
+    assert!(src.property::<String>("address").starts_with("unix:/"));
+    let sink = gst::Element::make_from_uri(gst::URIType::Sink, &uri, None)
+        .expect("an rdmasink for an rdma+unix:// URI");
+    sink.set_property("sync", false);
+    let back = sink
+        .dynamic_cast_ref::<gst::URIHandler>()
+        .unwrap()
+        .uri()
+        .unwrap();
+    assert_eq!(back, format!("{uri}&transport=shm"));
+    let mut rx = src_harness(&src);
+    let mut tx = sink_harness(&sink, GRAY);
+    tx.push(buffer(vec![6; 8], 0, 100)).unwrap();
+    assert_eq!(bytes(&rx.pull().unwrap()), vec![6; 8]);
+}
+
 /// `timeout` (as udpsrc's): a source that hears nothing (a sender aimed at the wrong port, say)
 /// says so on the bus instead of staying silent forever.
 #[test]

@@ -146,7 +146,7 @@ impl URIHandlerImpl for RdmaSink {
     const URI_TYPE: gst::URIType = gst::URIType::Sink;
 
     fn protocols() -> &'static [&'static str] {
-        &[crate::uri::SCHEME]
+        crate::uri::SCHEMES
     }
 
     fn uri(&self) -> Option<String> {

@@ -42,7 +42,8 @@
 //! posted as an element message every `stats-interval` ms, and with `metrics=127.0.0.1:9100`
 //! served as Prometheus metrics at `http://127.0.0.1:9100/metrics` (one server for every
 //! element of the process naming that address). The element handles
-//! `rdma://HOST:PORT?device-id=N&...` URIs (every query parameter is a property).
+//! `rdma://HOST:PORT?device-id=N&...` URIs (every query parameter is a property), and
+//! `rdma+unix:///PATH?device-id=N` for a receiver's Unix socket (the `shm` transport).
 
 use gst::glib;
 use gst::prelude::*;

@@ -170,7 +170,7 @@ impl URIHandlerImpl for RdmaSrc {
     const URI_TYPE: gst::URIType = gst::URIType::Src;
 
     fn protocols() -> &'static [&'static str] {
-        &[crate::uri::SCHEME]
+        crate::uri::SCHEMES
     }
 
     fn uri(&self) -> Option<String> {

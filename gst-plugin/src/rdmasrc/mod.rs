@@ -47,7 +47,8 @@
 //! messages; the `stats` structure is posted as an element message every `stats-interval` ms,
 //! and with `metrics=ADDR` served as Prometheus metrics on `http://ADDR/metrics` (as `rdmasink`).
 //! The element handles `rdma://ADDRESS:PORT?device-id=N&...` URIs (every query parameter is a
-//! property), so `playbin` and `uridecodebin` can use it.
+//! property), and `rdma+unix:///PATH?device-id=N` to listen on a Unix socket (the `shm`
+//! transport), so `playbin` and `uridecodebin` can use it.
 
 use gst::glib;
 use gst::prelude::*;
