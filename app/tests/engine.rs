@@ -344,6 +344,7 @@ fn raw_hello(sender: &str) -> rdmastream::proto::handshake::Hello {
         version: rdmastream::proto::handshake::PROTOCOL_VERSION,
         sender: sender.into(),
         nonce: [0; 32],
+        mechanism: Default::default(),
         session: 9,
         block_size: 0,
         data_path: rdmastream::proto::handshake::DataPath::Tcp,

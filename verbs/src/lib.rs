@@ -921,6 +921,7 @@ mod isolation_tests {
             data_path: DataPath::Verbs,
             qp: qp_info(&qp.handshake_info()),
             nonce: [0; 32],
+            mechanism: Default::default(),
         };
         let (side, welcome) = client_handshake(addr, &hello, None).unwrap();
         // The side channel stays open for the connection's life.

@@ -574,6 +574,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
         data_path: DataPath::Tcp,
         qp: QpInfo::default(),
         nonce: [0; NONCE_LEN],
+        mechanism: Default::default(),
     };
     let block_size = t.blocks.block_size();
     let mut report = SenderReport::default();

@@ -243,6 +243,7 @@ mod tests {
             data_path: DataPath::Tcp,
             qp: QpInfo::default(),
             nonce: [0; 32],
+            mechanism: Default::default(),
         }
     }
 
