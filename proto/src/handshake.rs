@@ -673,7 +673,10 @@ mod tests {
         let key = Key::new(b"0123456789abcdef0123".to_vec()).unwrap();
         let proof = key.sender_proof(&plain, b"challenge");
         assert!(!key.check_sender_proof(&bytes, b"challenge", &proof));
-        assert!(Mechanism::SlidingWindow { device: 1 }.same_kind(Mechanism::SlidingWindow { device: 2 }));
+        assert!(
+            Mechanism::SlidingWindow { device: 1 }
+                .same_kind(Mechanism::SlidingWindow { device: 2 })
+        );
         assert!(!Mechanism::StatusByte.same_kind(Mechanism::SlidingWindow { device: 0 }));
     }
 

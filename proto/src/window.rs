@@ -496,10 +496,11 @@ impl WindowReceiver {
         self.actions.push_back(ReceiverAction::PostRecv { count });
     }
 
-    /// A receive completion with immediate `imm`: the block is in memory. Returns which block
-    /// and how many bytes to process. An immediate out of ring order, at a block still held,
-    /// or with no receive posted is a protocol violation: the connection must be closed.
-    pub fn handle_received(&mut self, imm: u32) -> Result<Immediate, WindowError> {
+    /// Whether a WRITE WITH IMMEDIATE `imm` may be placed now: its block is the next in ring
+    /// order, not held, and a receive request is posted. Changes nothing (a transport checks
+    /// before it lets the data in, then reports the arrival with
+    /// [`WindowReceiver::handle_received`]).
+    pub fn check_arrival(&self, imm: u32) -> Result<Immediate, WindowError> {
         let imm = Immediate::decode(imm);
         imm.check(self.layout)?;
         if self.posted == 0 {
@@ -513,6 +514,14 @@ impl WindowReceiver {
                 expected: self.expected,
             });
         }
+        Ok(imm)
+    }
+
+    /// A receive completion with immediate `imm`: the block is in memory. Returns which block
+    /// and how many bytes to process. An immediate out of ring order, at a block still held,
+    /// or with no receive posted is a protocol violation: the connection must be closed.
+    pub fn handle_received(&mut self, imm: u32) -> Result<Immediate, WindowError> {
+        let imm = self.check_arrival(imm)?;
         self.posted -= 1;
         self.post(1);
         self.blocks[imm.position] = Block::Filled(imm.len);

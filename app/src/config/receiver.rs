@@ -365,6 +365,7 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
             access: AccessControl::new(keys, cfg.max_senders, budget.clone()),
             reassembly,
             peer_timeout: Duration::from_secs_f64(cfg.peer_timeout),
+            mechanism: Default::default(),
         },
         options: ReceiverOptions {
             max_device: cfg.max_device as u8,
