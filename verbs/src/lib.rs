@@ -289,6 +289,15 @@ impl Connector for VerbsConnector {
         "verbs"
     }
 
+    fn connect_window(
+        &self,
+        _: &Hello,
+        _: Option<&Key>,
+        _: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn rdmastream::transport::WindowConnection>> {
+        Err(rdmastream::transport::window_unavailable("verbs"))
+    }
+
     fn peer(&self) -> String {
         self.addr.clone()
     }

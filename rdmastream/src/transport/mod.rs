@@ -145,6 +145,15 @@ pub struct WorkCounts {
     pub cqs: u64,
 }
 
+/// Work requests posted through any [`WorkCounter`] of this process (the emulated transports'
+/// count; the verbs crate counts its own).
+static POSTED: AtomicU64 = AtomicU64::new(0);
+
+/// Work requests the software transports of this process posted so far (send and receive).
+pub fn emulated_work_requests() -> u64 {
+    POSTED.load(Ordering::Relaxed)
+}
+
 /// Counts [`WorkCounts`] as work is posted and completed; shared between the threads of a
 /// connection.
 #[derive(Debug, Default)]
@@ -168,6 +177,7 @@ impl WorkCounter {
     }
     /// `n` work requests were posted on the send queue.
     pub fn post_send(&self, n: u64) {
+        POSTED.fetch_add(n, Ordering::Relaxed);
         self.send_wrs.fetch_add(n, Ordering::Relaxed);
         let now = self.send_queue.fetch_add(n, Ordering::Relaxed) + n;
         self.max_send_queue.fetch_max(now, Ordering::Relaxed);
@@ -182,6 +192,7 @@ impl WorkCounter {
     }
     /// `n` receive requests were posted.
     pub fn post_recv(&self, n: u64) {
+        POSTED.fetch_add(n, Ordering::Relaxed);
         self.recv_wrs.fetch_add(n, Ordering::Relaxed);
         let now = self.recv_queue.fetch_add(n, Ordering::Relaxed) + n;
         self.max_recv_queue.fetch_max(now, Ordering::Relaxed);
@@ -243,6 +254,14 @@ pub trait AckQueue: Send {
     fn recv(&mut self, timeout: Duration) -> Result<Option<Immediate>>;
 }
 
+/// The error of a transport without the sliding-window baseline.
+pub fn window_unavailable(transport: &'static str) -> crate::Error {
+    crate::Error::Unavailable {
+        transport,
+        reason: "the sliding-window mechanism is not implemented on this transport".into(),
+    }
+}
+
 /// How long a peer may stay silent before its connection is given up, unless configured.
 pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -267,19 +286,14 @@ pub trait Connector: Send {
         blocks: &std::sync::Arc<SendBlocks>,
     ) -> Result<Box<dyn Connection>>;
     /// Connects one sliding-window connection (the device is in `hello.mechanism`). Transports
-    /// that do not implement the baseline refuse.
+    /// that do not implement the baseline return [`window_unavailable`]. No default: a wrapper
+    /// that forgot to pass it on would turn the baseline off without a word.
     fn connect_window(
         &self,
         hello: &Hello,
         key: Option<&Key>,
         blocks: &std::sync::Arc<SendBlocks>,
-    ) -> Result<Box<dyn WindowConnection>> {
-        let _ = (hello, key, blocks);
-        Err(crate::Error::Unavailable {
-            transport: self.transport(),
-            reason: "the sliding-window mechanism is not implemented on this transport".into(),
-        })
-    }
+    ) -> Result<Box<dyn WindowConnection>>;
     /// Allocates (and registers, where the transport needs that) the sender's send blocks, once
     /// at start; [`Connector::connect`] is then given them.
     fn alloc_send_blocks(
