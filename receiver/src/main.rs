@@ -133,7 +133,10 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         status_interval: cfg.status_interval,
         exit_after_eos: cli.exit_after_eos,
         verify: cli.verify,
-        posted_work_requests,
+        // RDMA verbs posts, and the tcp emulation's (the sliding window's receives and ACKs).
+        posted_work_requests: || {
+            posted_work_requests() + rdmastream::transport::emulated_work_requests()
+        },
         memory,
         disk_budget,
         observer,
