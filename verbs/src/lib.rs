@@ -1026,3 +1026,169 @@ mod isolation_tests {
         assert_eq!(first, vec![0u8; 64]);
     }
 }
+
+/// The verbs the sliding-window baseline needs, on real RDMA (Soft-RoCE in the VM): WRITE WITH
+/// IMMEDIATE consuming a posted receive and reporting the immediate, an inline SEND landing in a
+/// posted receive buffer (the ACK), and RNR when no receive is posted. Two queue pairs of one
+/// process are connected to each other. Without a device (the host) they say so and pass.
+#[cfg(test)]
+mod window_verbs_tests {
+    use super::*;
+
+    struct Side {
+        qp: ConnectedQp,
+        cq: CompletionQueue,
+        mr: MemoryRegion,
+        _pd: ProtectionDomain,
+    }
+
+    /// Two connected RC queue pairs (the second one's memory remotely writable), or `None`
+    /// without a device off the VM.
+    fn pair(rnr_retry: u8) -> Option<(Side, Side)> {
+        let on_rdma = std::env::var("RDMASTREAM_TEST_TRANSPORT").as_deref() == Ok("verbs");
+        let settings = VerbsSettings {
+            device: None,
+            port: 1,
+            gid_index: std::env::var("RDMASTREAM_VM_GID_INDEX")
+                .ok()
+                .and_then(|g| g.parse().ok()),
+        };
+        let ctx = match open(&settings) {
+            Ok(c) => c,
+            Err(e) if !on_rdma => {
+                eprintln!("no RDMA device here ({e}); scripts/test-vm.sh runs this over Soft-RoCE");
+                return None;
+            }
+            Err(e) => panic!("RDMASTREAM_TEST_TRANSPORT=verbs but no usable device: {e}"),
+        };
+        let make = |access: AccessFlags| {
+            let pd = ctx.alloc_pd().unwrap();
+            let cq = ctx.create_cq(16).unwrap();
+            let config = QpConfig {
+                port: settings.port,
+                gid_index: settings.gid_index,
+                caps: QpCaps {
+                    max_send_wr: 8,
+                    max_recv_wr: 8,
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: 16,
+                },
+                access,
+                rnr_retry,
+                min_rnr_timer: 1,
+                ..QpConfig::default()
+            };
+            let qp = pd.create_qp(&cq, &cq, &config).unwrap();
+            let mr = pd
+                .register(4096, AccessFlags::LOCAL_WRITE | access)
+                .unwrap();
+            (qp, cq, mr, pd)
+        };
+        let (qa, cqa, mra, pda) = make(AccessFlags::NONE);
+        let (qb, cqb, mrb, pdb) = make(AccessFlags::REMOTE_WRITE);
+        let (ea, eb) = (qa.handshake_info(), qb.handshake_info());
+        let a = Side {
+            qp: qa.connect(&eb).unwrap(),
+            cq: cqa,
+            mr: mra,
+            _pd: pda,
+        };
+        let b = Side {
+            qp: qb.connect(&ea).unwrap(),
+            cq: cqb,
+            mr: mrb,
+            _pd: pdb,
+        };
+        Some((a, b))
+    }
+
+    /// The next completion of `cq`, within 20 s.
+    fn next(cq: &CompletionQueue) -> ibv::Completion {
+        let mut polled = vec![ibv::Completion::default(); 1];
+        let end = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < end {
+            if cq.poll(&mut polled).unwrap() == 1 {
+                return polled[0];
+            }
+            std::thread::yield_now();
+        }
+        panic!("no completion within 20 s");
+    }
+
+    #[test]
+    fn write_with_immediate_then_an_inline_ack() {
+        let Some((a, b)) = pair(7) else { return };
+        // The receiver posts a receive for the block (no buffer: the data goes where the
+        // WRITE says), the sender one for the ACK.
+        // SAFETY: the receives name no buffer (b) or bytes 0..4 of `a.mr`, which nothing
+        // touches until their completion is polled below; both regions outlive the QPs.
+        unsafe {
+            b.qp.post_recv(1, None).unwrap();
+            a.qp.post_recv(2, Some((&a.mr, 0, 4))).unwrap();
+        }
+        for (k, byte) in a.mr.atomic_bytes()[64..164].iter().enumerate() {
+            byte.store(k as u8, Ordering::Relaxed);
+        }
+        let imm = rdmastream::proto::window::Immediate {
+            position: 3,
+            len: 100,
+        };
+        let wr = ibv::WriteWr::region(7, &a.mr, 64, 100, b.mr.addr() + 300, b.mr.rkey())
+            .signaled(true)
+            .with_imm(imm.encode());
+        // SAFETY: bytes 64..164 of `a.mr` are not written again before the completion is
+        // polled below.
+        unsafe { a.qp.post_write_chain(&[wr]) }.unwrap();
+        let sent = next(&a.cq);
+        assert!(sent.is_success(), "{sent:?}");
+        assert_eq!((sent.wr_id, sent.opcode), (7, ibv::WcOpcode::RdmaWrite));
+        let got = next(&b.cq);
+        assert!(got.is_success(), "{got:?}");
+        assert_eq!(got.wr_id, 1);
+        assert_eq!(got.opcode, ibv::WcOpcode::RecvRdmaWithImm);
+        assert_eq!(got.imm, Some(imm.encode()), "the immediate arrives intact");
+        let placed: Vec<u8> = b.mr.atomic_bytes()[300..400]
+            .iter()
+            .map(|x| x.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(placed, (0..100).map(|k| k as u8).collect::<Vec<_>>());
+        // The ACK: an inline SEND of the immediate into the sender's posted receive.
+        b.qp.post_send_inline(9, &imm.to_ack(), true).unwrap();
+        let acked = next(&b.cq);
+        assert!(acked.is_success(), "{acked:?}");
+        assert_eq!((acked.wr_id, acked.opcode), (9, ibv::WcOpcode::Send));
+        let ack = next(&a.cq);
+        assert!(ack.is_success(), "{ack:?}");
+        assert_eq!(
+            (ack.wr_id, ack.opcode, ack.byte_len),
+            (2, ibv::WcOpcode::Recv, 4)
+        );
+        let bytes: Vec<u8> = a.mr.atomic_bytes()[..4]
+            .iter()
+            .map(|x| x.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(
+            rdmastream::proto::window::Immediate::from_ack(&bytes),
+            Ok(imm)
+        );
+    }
+
+    /// Without a posted receive a WRITE WITH IMMEDIATE is refused (RNR): with RNR retries off
+    /// the sender's completion fails, as the tcp emulation fails the connection.
+    #[test]
+    fn a_write_with_immediate_without_a_posted_receive_is_receiver_not_ready() {
+        let Some((a, b)) = pair(0) else { return };
+        let wr = ibv::WriteWr::region(5, &a.mr, 0, 8, b.mr.addr(), b.mr.rkey())
+            .signaled(true)
+            .with_imm(1);
+        // SAFETY: `a.mr` is not written before the completion is polled below.
+        unsafe { a.qp.post_write_chain(&[wr]) }.unwrap();
+        match next(&a.cq).status {
+            ibv::WcStatus::Error { text, .. } => {
+                assert!(text.to_lowercase().contains("rnr"), "{text}")
+            }
+            ibv::WcStatus::Success => panic!("placed without a receive posted"),
+        }
+    }
+}
