@@ -1,8 +1,8 @@
 //! The sliding-window baseline through the real `sender` and `receiver` processes, over the tcp
 //! transport on loopback: the same devices, block layout, sources and sinks as the status-byte
 //! tests in processes.rs, only `mechanism = "sliding-window"` on both ends (one connection per
-//! device, WRITE WITH IMMEDIATE, ACKs). The baseline has no verbs implementation yet, so under
-//! `RDMASTREAM_IT_TRANSPORT=verbs` these tests say so and pass without running.
+//! device, WRITE WITH IMMEDIATE, ACKs). `scripts/test-vm.sh` runs them over verbs on Soft-RoCE
+//! too (`RDMASTREAM_IT_TRANSPORT=verbs`, smaller frames).
 
 mod common;
 
@@ -35,32 +35,22 @@ fn check_device(
     files.len()
 }
 
-fn tcp_only(it: &It) -> bool {
-    if it.transport != "tcp" {
-        eprintln!(
-            "skipped: the sliding-window baseline runs over tcp only (transport {})",
-            it.transport
-        );
-        return false;
-    }
-    true
-}
-
 /// Lossless cameras and multi-block radars, several devices, packet numbers wrapping past
 /// 65535: every frame arrives once, in order, bit-exact, each device over its own connection;
 /// the receiver posted work requests (its receives and ACKs), unlike the status-byte receiver.
+/// Over the transport the run uses (tcp on the host, verbs in the VM).
 #[test]
 fn several_devices_arrive_complete_in_order_bit_exact_over_the_sliding_window() {
     let it = it();
-    if !tcp_only(&it) {
-        return;
-    }
     let tmp = tempfile::tempdir().unwrap();
     let port = free_port();
     let out = tmp.path().join("out");
     let rx_cfg = receiver_config(tmp.path(), &it, "mechanism = \"sliding-window\"");
-    let (cams, (w, h), fps, cam_frames, radar, radar_frames) =
-        (4, (320, 240), 25, 60, 1_500_000, 12);
+    let (cams, (w, h), fps, cam_frames, radar, radar_frames) = if it.small {
+        (3, (160, 120), 10, 30, 300_000, 10)
+    } else {
+        (4, (320, 240), 25, 60, 1_500_000, 12)
+    };
     let devices = format!(
         "mechanism = \"sliding-window\"\nfirst_packet = 65500\n\
          [[device]]\nid = 0\ncount = {cams}\nsource = \"camera-synthetic\"\nwidth = {w}\nheight = {h}\nfps = {fps}\npolicy = \"block\"\nframes = {cam_frames}\n\
@@ -83,6 +73,11 @@ fn several_devices_arrive_complete_in_order_bit_exact_over_the_sliding_window() 
     exits_ok(&mut rx, Duration::from_secs(60), "receiver", &rx_log);
     let rx_text = std::fs::read_to_string(&rx_log).unwrap();
     assert!(rx_text.contains("verify: all"), "{}", tail(&rx_log));
+    assert!(
+        rx_text.contains(&format!("(transport {})", it.transport)),
+        "{}",
+        tail(&rx_log)
+    );
     assert!(
         !rx_text.contains(" 0 work requests posted by the receiver"),
         "the sliding-window receiver posts receives and ACKs: {}",
@@ -110,7 +105,13 @@ fn several_devices_arrive_complete_in_order_bit_exact_over_the_sliding_window() 
         total += n;
     }
     let tx_text = std::fs::read_to_string(&tx_log).unwrap();
-    let connected = tx_text.matches("sliding window connected").count();
+    let connected = tx_text
+        .lines()
+        .filter(|l| {
+            l.contains("sliding window connected")
+                && l.contains(&format!("transport=\"{}\"", it.transport))
+        })
+        .count();
     assert_eq!(
         connected,
         cams + 2,
@@ -125,9 +126,6 @@ fn several_devices_arrive_complete_in_order_bit_exact_over_the_sliding_window() 
 #[test]
 fn a_mechanism_mismatch_stops_the_sender_naming_both() {
     let it = it();
-    if !tcp_only(&it) {
-        return;
-    }
     let tmp = tempfile::tempdir().unwrap();
     let port = free_port();
     let out = tmp.path().join("out");

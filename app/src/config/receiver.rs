@@ -247,7 +247,7 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
             format!("{:?} is not one of auto, tcp, verbs", cfg.transport),
         ));
     }
-    let window = super::check_mechanism(file, &cfg.mechanism, &cfg.transport)?;
+    let window = super::check_mechanism(file, &cfg.mechanism)?;
     if window {
         if !cfg.reserved_blocks.is_empty() {
             return Err(err(

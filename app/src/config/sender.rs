@@ -194,7 +194,7 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
             format!("{:?} is not one of auto, tcp, verbs", cfg.transport),
         ));
     }
-    super::check_mechanism(file, &cfg.mechanism, &cfg.transport)?;
+    super::check_mechanism(file, &cfg.mechanism)?;
     let mut devices = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     for (n, d) in cfg.device.iter().enumerate() {

@@ -18,7 +18,8 @@
 //! The sliding-window baseline ([`crate::proto::window`]) is the exception, by design: over
 //! [`WindowConnection`] the sender posts WRITE WITH IMMEDIATE and receives ACKs into receive
 //! requests it posted, and the receiver posts receive requests and SENDs the ACKs (the tcp
-//! transport emulates both; see [`tcp`]). Both sides count what they post ([`WorkCounts`]).
+//! transport emulates both, see [`tcp`]; the verbs crate posts them). Both sides count what
+//! they post ([`WorkCounts`]).
 
 pub mod access;
 pub mod mem;
@@ -145,12 +146,12 @@ pub struct WorkCounts {
     pub cqs: u64,
 }
 
-/// Work requests posted through any [`WorkCounter`] of this process (the emulated transports'
-/// count; the verbs crate counts its own).
+/// Work requests posted through any [`WorkCounter`] of this process (the sliding window's, on
+/// any transport, and the tcp emulation's; the verbs crate counts its status-byte posts itself).
 static POSTED: AtomicU64 = AtomicU64::new(0);
 
-/// Work requests the software transports of this process posted so far (send and receive).
-pub fn emulated_work_requests() -> u64 {
+/// Work requests counted by the [`WorkCounter`]s of this process so far (send and receive).
+pub fn counted_work_requests() -> u64 {
     POSTED.load(Ordering::Relaxed)
 }
 
