@@ -403,6 +403,12 @@ impl WindowSender {
         self.slots.len()
     }
 
+    /// Send blocks of a lossless message the head has passed, kept until it passes the
+    /// message's last block.
+    pub fn kept(&self) -> usize {
+        self.kept.len()
+    }
+
     /// Writes posted whose completion has not arrived.
     pub fn outstanding(&self) -> usize {
         self.slots.iter().filter(|s| !s.written).count()

@@ -324,7 +324,8 @@ pub struct RegionSettings {
     /// A sender not heard from for this long is gone: its connection is closed and its region
     /// freed (senders send heartbeats when idle).
     pub peer_timeout: Duration,
-    /// The mechanism this receiver runs; a sender of the other one is refused.
+    /// The mechanism this receiver runs; a sender of the other one is refused. For the sliding
+    /// window only the kind counts (the device is each connecting sender's own).
     pub mechanism: Mechanism,
 }
 

@@ -173,7 +173,7 @@ pub(super) fn window_sending_thread(t: SendingThread, mut s: Sending) -> Result<
             }
             report.unsent = lanes
                 .values()
-                .map(|l| l.machine.queued() + l.machine.in_window())
+                .map(|l| l.machine.queued() + l.machine.in_window() + l.machine.kept())
                 .sum();
             report.undelivered_frames = s
                 .meta
