@@ -20,7 +20,9 @@ for l in sys.stdin:
         print(m["executable"])' "$2"
 }
 processes="$(test_exe rdmastream-integration processes)"
-# The verbs crate's unit tests include the isolation test (protection domain per sender).
+window="$(test_exe rdmastream-integration sliding_window)"
+# The verbs crate's unit tests include the isolation test (protection domain per sender) and the
+# verbs of the sliding-window baseline (WRITE WITH IMMEDIATE, receives, inline SEND, RNR).
 core="$(cargo test --release -p rdmastream-verbs --lib --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json, sys
 for l in sys.stdin:
@@ -30,10 +32,10 @@ for l in sys.stdin:
 pipelines="$(test_exe gst-plugin-rdma pipelines)"
 harness="$(test_exe gst-plugin-rdma harness)"
 netfaults="$(test_exe rdmastream-integration netfaults)"
-for exe in "$core" "$processes" "$pipelines" "$harness" "$netfaults"; do
+for exe in "$core" "$processes" "$window" "$pipelines" "$harness" "$netfaults"; do
   [ -x "$exe" ] || { echo "test-vm: could not build the test executables" >&2; exit 1; }
 done
-echo "== over verbs (Soft-RoCE rxe0 in a VM): $core (isolation), $processes, $pipelines, $harness"
+echo "== over verbs (Soft-RoCE rxe0 in a VM): $core (isolation, window verbs), $processes, $window, $pipelines, $harness"
 echo "== and with the VM's kernel netem (delay, reordering, loss) between two namespaces: $netfaults"
 scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
   env RDMASTREAM_PREBUILT=1 RDMASTREAM_IT_TRANSPORT=verbs RDMASTREAM_IT_HOST=192.0.2.1 \
@@ -41,9 +43,10 @@ scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
   bash -c 'run() { # seconds exe args...: one hung test binary must not eat the time of the others
       local t=$1; shift; timeout -k 10 "$t" "$@"; local r=$?
       [ $r -eq 124 ] && echo "test-vm: $1 did not finish within $t s" >&2; return $r; }
-    run 120 "$1" --test-threads=1 isolation_tests; i=$?
+    run 120 "$1" --test-threads=1 isolation_tests window_verbs_tests; i=$?
     run 480 "$2" --test-threads=1; a=$?; run 420 "$3" --test-threads=1; b=$?
     run 360 "$4" --test-threads=1; c=$?
     RDMASTREAM_REQUIRE_NETNS=1 RDMASTREAM_REQUIRE_NETEM=1 \
       run 420 "$5" --test-threads=1 delay_reordering_loss; d=$?
-    exit $((i | a | b | c | d))' _ "$core" "$processes" "$pipelines" "$harness" "$netfaults"
+    run 240 "$6" --test-threads=1; w=$?
+    exit $((i | a | b | c | d | w))' _ "$core" "$processes" "$pipelines" "$harness" "$netfaults" "$window"

@@ -144,13 +144,15 @@ pub fn sender(
         block_size: cfg.block_size,
         max_outstanding: cfg.max_outstanding,
         first_packet: cfg.first_packet,
+        sliding_window: cfg.mechanism == "sliding-window",
         ..Default::default()
     };
     tracing::info!(
-        "sender '{}' -> {} ({}): {} devices, {} send blocks of {} bytes",
+        "sender '{}' -> {} ({}, {} mechanism): {} devices, {} send blocks of {} bytes",
         cfg.name,
         cfg.receiver,
         cfg.transport,
+        cfg.mechanism,
         devices.len(),
         cfg.send_blocks,
         cfg.block_size
@@ -298,8 +300,8 @@ pub struct ReceiverRun<'a> {
     pub status_interval: f64,
     pub exit_after_eos: bool,
     pub verify: bool,
-    /// The transport's count of work requests the receiver posted (0, by the mechanism), read
-    /// at the end.
+    /// The transport's count of work requests the receiver posted (0 for the status-byte
+    /// mechanism; the sliding window posts receives and ACK SENDs), read at the end.
     pub posted_work_requests: fn() -> u64,
     /// The memory budget senders take their regions and copies from.
     pub memory: Arc<Budget>,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rdmastream::transport::observe::{ConnectionObserver, observed};
-use rdmastream::transport::{Connection, Connector, SendBlocks};
+use rdmastream::transport::{Connector, SendBlocks};
 
 /// What the watch saw.
 #[derive(Debug, Default)]
@@ -20,7 +20,12 @@ pub struct LinkWatch {
 }
 
 impl ConnectionObserver for LinkWatch {
-    fn connected(&self, _: &dyn Connection, _: &SendBlocks) -> rdmastream::Result<()> {
+    fn connected(
+        &self,
+        _: &str,
+        _: rdmastream::proto::RemoteLayout,
+        _: &SendBlocks,
+    ) -> rdmastream::Result<()> {
         self.connections.fetch_add(1, Ordering::Relaxed);
         self.connected.store(true, Ordering::Release);
         Ok(())

@@ -31,6 +31,7 @@ fn settings(blocks: usize, block_size: usize, reserved: Vec<usize>) -> RegionSet
         access: AccessControl::new(Keys::shared(key()), 64, Budget::unlimited()),
         reassembly: 64 << 20,
         peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+        mechanism: Default::default(),
     }
 }
 
@@ -43,7 +44,19 @@ fn run_session(
     connector: Box<dyn Connector>,
     block_size: usize,
     frames: u64,
-) {
+) -> rdmastream::engine::SenderReport {
+    run_session_with(listener, connector, block_size, frames, false)
+}
+
+/// [`run_session`], with the sliding-window baseline when `sliding_window` (the receiver's
+/// settings must say so too).
+fn run_session_with(
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+    block_size: usize,
+    frames: u64,
+    sliding_window: bool,
+) -> rdmastream::engine::SenderReport {
     let dir = tempfile::tempdir().unwrap();
     let sink = Arc::new(
         DirectorySink::new(DirectorySinkOptions {
@@ -63,6 +76,7 @@ fn run_session(
         key: Some(key()),
         send_blocks: 4,
         block_size,
+        sliding_window,
         ..Default::default()
     };
     let sender = SenderHandle::start(opts, connector, 4).unwrap();
@@ -135,6 +149,7 @@ fn run_session(
     let first = std::fs::read(dir.path().join("edge-a/device-200/00000000.raw")).unwrap();
     assert_eq!(first.len(), 10_000);
     let _ = status::EMPTY;
+    report
 }
 
 #[test]
@@ -154,12 +169,55 @@ fn mem_transport_delivers_every_frame_verified() {
 fn tcp_transport_delivers_every_frame_verified_with_a_retained_block() {
     let listener = tcp::listen("127.0.0.1:0", settings(6, 16384, vec![2])).unwrap();
     let addr = listener.local_addr();
-    run_session(
+    let report = run_session(
         Box::new(listener),
         Box::new(TcpConnector::new(addr)),
         16384,
         60,
     );
+    // The tcp transport counts what the status-byte sender posted: a WRITE chain of two work
+    // requests per block and one READ per sync, on one completion queue.
+    let (m, w) = (report.machine, report.work);
+    assert_eq!(w.send_wrs, 2 * m.writes + m.syncs, "{w:?} {m:?}");
+    assert_eq!(w.recv_wrs, 0);
+    assert_eq!(w.cqs, 1);
+    assert!(w.max_send_queue >= 2, "{w:?}");
+    assert!(
+        w.max_send_queue <= 2 * 4 + 1,
+        "at most max_outstanding chains and a READ: {w:?}"
+    );
+    assert_eq!(w.completions, m.writes + m.syncs);
+}
+
+/// The sliding-window baseline through the engine over tcp: the same frames, sources and sink,
+/// each device over its own connection; the counts are the baseline's (one WRITE WITH
+/// IMMEDIATE and one ACK receive per block, two completion queues per connection).
+#[test]
+fn tcp_sliding_window_delivers_every_frame_verified() {
+    let window = RegionSettings {
+        mechanism: rdmastream::proto::handshake::Mechanism::SlidingWindow { device: 0 },
+        ..settings(6, 16384, vec![])
+    };
+    let listener = tcp::listen("127.0.0.1:0", window).unwrap();
+    let addr = listener.local_addr();
+    let report = run_session_with(
+        Box::new(listener),
+        Box::new(TcpConnector::new(addr)),
+        16384,
+        60,
+        true,
+    );
+    let (win, w) = (report.window, report.work);
+    assert_eq!(report.connections, 2, "one connection per device");
+    assert_eq!(win.writes, win.released, "every block released: {win:?}");
+    assert_eq!(w.send_wrs, win.writes, "{w:?}");
+    assert_eq!(
+        w.recv_wrs,
+        2 * 6 + win.acks,
+        "a ring of ACK receives per connection: {w:?}"
+    );
+    assert_eq!(w.cqs, 2 * 2);
+    assert_eq!(w.completions, win.writes + win.acks);
 }
 
 #[test]
@@ -358,6 +416,7 @@ fn raw_hello(sender: &str) -> rdmastream::proto::handshake::Hello {
         version: rdmastream::proto::handshake::PROTOCOL_VERSION,
         sender: sender.into(),
         nonce: [0; 32],
+        mechanism: Default::default(),
         session: 9,
         block_size: 0,
         data_path: rdmastream::proto::handshake::DataPath::Tcp,

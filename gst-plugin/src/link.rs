@@ -14,8 +14,8 @@ use std::time::Duration;
 use rdmastream::engine::SourceFrame;
 use rdmastream::engine::{DeviceInput, SenderHandle, SenderOptions};
 use rdmastream::stats::DeviceCounters;
+use rdmastream::transport::SendBlocks;
 use rdmastream::transport::observe::{ConnectionObserver, observed};
-use rdmastream::transport::{Connection, SendBlocks};
 
 use crate::transport::{self, Transport, VerbsSettings};
 
@@ -89,8 +89,13 @@ impl LinkState {
 
 /// Records each outcome of the core's connections: connected, refused (fatal), lost, closed.
 impl ConnectionObserver for LinkState {
-    fn connected(&self, conn: &dyn Connection, blocks: &SendBlocks) -> rdmastream::Result<()> {
-        let (offered, own) = (conn.layout().block_size, blocks.block_size());
+    fn connected(
+        &self,
+        peer: &str,
+        layout: rdmastream::proto::RemoteLayout,
+        blocks: &SendBlocks,
+    ) -> rdmastream::Result<()> {
+        let (offered, own) = (layout.block_size, blocks.block_size());
         // A sender's blocks must fit the receiver's (smaller ones are fine). Refusing here stops
         // the sending thread with a message saying what to set.
         if offered < own {
@@ -99,7 +104,7 @@ impl ConnectionObserver for LinkState {
                  block-size={offered} or less"
             );
             let e = rdmastream::Error::Refused {
-                peer: conn.peer().to_string(),
+                peer: peer.to_string(),
                 reason,
             };
             self.failed(e.to_string(), true);

@@ -37,6 +37,8 @@ const HELLO_MAGIC: &[u8; 4] = b"RDSH";
 const CHALLENGE_MAGIC: &[u8; 4] = b"RDSC";
 const PROOF_MAGIC: &[u8; 4] = b"RDSP";
 const WELCOME_MAGIC: &[u8; 4] = b"RDSW";
+/// The mechanism byte of a sliding-window Hello.
+const MECHANISM_SLIDING_WINDOW: u8 = 1;
 const SENDER_LABEL: &[u8] = b"rdmastream v2 sender proof";
 const RECEIVER_LABEL: &[u8] = b"rdmastream v2 receiver proof";
 
@@ -61,6 +63,39 @@ pub enum DataPath {
     Shm = 2,
 }
 
+/// Which transmission mechanism a connection runs. Sender and receiver must agree: a receiver
+/// refuses a Hello of the other mechanism, naming both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mechanism {
+    /// The paper's status-byte-assisted mechanism: one connection shared by every device.
+    #[default]
+    StatusByte,
+    /// The sliding-window baseline ([`crate::window`]): one connection per device, this one
+    /// carrying device `device`.
+    SlidingWindow { device: u8 },
+}
+
+impl Mechanism {
+    /// The name used in config files and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mechanism::StatusByte => "status-byte",
+            Mechanism::SlidingWindow { .. } => "sliding-window",
+        }
+    }
+
+    /// Whether both are the same mechanism (whatever device a sliding window carries).
+    pub fn same_kind(self, other: Mechanism) -> bool {
+        self.name() == other.name()
+    }
+}
+
+impl std::fmt::Display for Mechanism {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Sender → receiver, first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
@@ -76,6 +111,9 @@ pub struct Hello {
     pub qp: QpInfo,
     /// Fresh random bytes of this handshake (makes the receiver's proof fresh).
     pub nonce: [u8; NONCE_LEN],
+    /// The mechanism this connection runs. Encoded after the nonce only when it is not the
+    /// status-byte mechanism, so a status-byte Hello is byte for byte what it always was.
+    pub mechanism: Mechanism,
 }
 
 /// How the receiver wants the sender to prove who it is.
@@ -256,6 +294,9 @@ impl Hello {
         out.push(self.data_path as u8);
         put_qp(&mut out, &self.qp);
         out.extend_from_slice(&self.nonce);
+        if let Mechanism::SlidingWindow { device } = self.mechanism {
+            out.extend_from_slice(&[MECHANISM_SLIDING_WINDOW, device]);
+        }
         out
     }
 
@@ -277,6 +318,15 @@ impl Hello {
         };
         let qp = r.qp()?;
         let nonce = r.array()?;
+        // Absent: the status-byte mechanism (one encoding per Hello: it is never spelled out).
+        let mechanism = if r.at == r.b.len() {
+            Mechanism::StatusByte
+        } else {
+            match r.u8()? {
+                MECHANISM_SLIDING_WINDOW => Mechanism::SlidingWindow { device: r.u8()? },
+                _ => return Err(HandshakeError::BadField("mechanism")),
+            }
+        };
         r.finish()?;
         Ok(Hello {
             version,
@@ -286,6 +336,7 @@ impl Hello {
             data_path,
             qp,
             nonce,
+            mechanism,
         })
     }
 }
@@ -518,6 +569,7 @@ mod tests {
                 gid: [7; 16],
             },
             nonce: [5; NONCE_LEN],
+            mechanism: Mechanism::StatusByte,
         }
     }
 
@@ -598,6 +650,38 @@ mod tests {
         for n in 0..good.len() {
             assert!(Welcome::decode(&good[..n]).is_err(), "welcome cut at {n}");
         }
+    }
+
+    #[test]
+    fn the_mechanism_travels_after_the_nonce_only_for_the_sliding_window() {
+        let plain = hello().encode();
+        assert_eq!(
+            plain.len(),
+            4 + 2 + 1 + 6 + 8 + 4 + 1 + 26 + NONCE_LEN,
+            "a status-byte Hello is unchanged"
+        );
+        let window = Hello {
+            mechanism: Mechanism::SlidingWindow { device: 7 },
+            ..hello()
+        };
+        let bytes = window.encode();
+        assert_eq!(&bytes[plain.len()..], &[1, 7]);
+        assert_eq!(Hello::decode(&bytes).unwrap(), window);
+        // Spelling out the default, an unknown mechanism, or a missing device: refused.
+        for tail in [&[0u8, 0][..], &[2, 0], &[1], &[1, 7, 0]] {
+            let mut b = plain.clone();
+            b.extend_from_slice(tail);
+            assert!(Hello::decode(&b).is_err(), "{tail:?}");
+        }
+        // The mechanism is covered by the sender's proof like the rest of the Hello.
+        let key = Key::new(b"0123456789abcdef0123".to_vec()).unwrap();
+        let proof = key.sender_proof(&plain, b"challenge");
+        assert!(!key.check_sender_proof(&bytes, b"challenge", &proof));
+        assert!(
+            Mechanism::SlidingWindow { device: 1 }
+                .same_kind(Mechanism::SlidingWindow { device: 2 })
+        );
+        assert!(!Mechanism::StatusByte.same_kind(Mechanism::SlidingWindow { device: 0 }));
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //! proofs, the sender's state machine (which block, when to sync, what a completion confirms),
 //! fragmentation and reassembly, the filling decisions ([`FillingMachine`]: numbering, format
 //! resend, returning devices), per-device reordering, the receiver's view of one sender
-//! ([`SenderSession`]: sessions, frames held until their format), and memory budgets.
+//! ([`SenderSession`]: sessions, frames held until their format), and memory budgets. Beside it,
+//! the sliding-window baseline the paper compares against ([`window`]), as state machines too.
 //!
 //! What it does not do: no IO, no threads, no sockets, no clock reads (time comes in as an
 //! argument), no images, no config files, no `unsafe`. Everything here is deterministic; the
@@ -20,6 +21,7 @@ pub mod packetizer;
 pub mod reorder;
 pub mod sender;
 pub mod session;
+pub mod window;
 
 pub use ack::Ack;
 pub use budget::{Budget, Reservation};
@@ -32,6 +34,9 @@ pub use packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range}
 pub use reorder::{DeviceStream, Frame, Limits, Packet, ReorderConfig, ReorderStats, StreamEvent};
 pub use sender::{Action, Completed, Delivery, RemoteLayout, SenderMachine, SenderStats};
 pub use session::{Connected, Released, SenderSession};
+pub use window::{
+    Immediate, ReceiverAction, WindowAction, WindowError, WindowReceiver, WindowSender, WindowStats,
+};
 
 /// Scans status bytes round-robin for the next full block, like the paper's receiving thread.
 #[derive(Debug, Default, Clone)]

@@ -78,6 +78,18 @@ impl SenderSession {
     /// The sender connected with session id `session`; its connection's memory share is
     /// `budget` (reassembly comes out of it from now on).
     pub fn handle_connected(&mut self, session: u64, budget: Arc<Budget>) -> Connected {
+        self.handle_lane_connected(session, budget, None)
+    }
+
+    /// As [`SenderSession::handle_connected`], for a connection that carries only device
+    /// `device` (a sliding-window sender has one per device, connected side by side): in the
+    /// same session only that device's stream starts afresh; the others are not disturbed.
+    pub fn handle_lane_connected(
+        &mut self,
+        session: u64,
+        budget: Arc<Budget>,
+        device: Option<u8>,
+    ) -> Connected {
         self.limits.budget = budget.clone();
         if session != self.session {
             self.session = session;
@@ -87,9 +99,11 @@ impl SenderSession {
             self.formats_seen.clear();
             return Connected::NewSession;
         }
-        for stream in self.streams.values_mut() {
-            stream.set_budget(budget.clone());
-            stream.restart();
+        for (d, stream) in self.streams.iter_mut() {
+            if device.is_none_or(|lane| lane == *d) {
+                stream.set_budget(budget.clone());
+                stream.restart();
+            }
         }
         Connected::SameSession
     }

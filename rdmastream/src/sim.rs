@@ -17,6 +17,14 @@
 //! It checks the mechanism's safety property on every placement — a block is only ever written
 //! while its receiver status byte is 0 — and records everything the receiver delivered, with
 //! the format it had for each frame, so tests can check order, completeness and contents.
+//!
+//! The same pair can run the sliding-window baseline instead ([`SimMechanism::SlidingWindow`],
+//! [`crate::proto::window`]) over the same workload: the sender's [`WindowSender`] writes with
+//! immediates, the receiver takes blocks from its receive completions in arrival order and
+//! acknowledges each after processing it — a block it retains (or a lossless message's last
+//! block before its message is handed on) is acknowledged only when released. Its safety check:
+//! a block is only ever written at the position the receiver expects, never over a block it
+//! has not acknowledged. Dropped connections are simulated for the status-byte mechanism only.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
@@ -28,6 +36,7 @@ use parking_lot::Mutex;
 use crate::engine::Driver;
 use crate::error::Result;
 use crate::proto::ack::{Ack, Settle};
+use crate::proto::window::{Immediate, ReceiverAction, WindowAction, WindowReceiver, WindowSender};
 use crate::proto::{
     Added, BlockHeader, Budget, Delivery, FillingMachine, Limits, Message, MessageTimes, Packet,
     RemoteLayout, ReorderConfig, SenderMachine, SenderSession, StreamEvent, fragment_range, status,
@@ -87,9 +96,20 @@ pub enum SimPolicy {
     Block,
 }
 
+/// Which transmission mechanism the pair runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SimMechanism {
+    /// The paper's status-byte-assisted mechanism (the project's own).
+    #[default]
+    StatusByte,
+    /// The sliding-window baseline of Tu et al.: WRITE WITH IMMEDIATE, ACKs, in-order release.
+    SlidingWindow,
+}
+
 /// Everything the simulation is made of.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
+    pub mechanism: SimMechanism,
     pub remote_blocks: usize,
     pub block_size: usize,
     pub send_blocks: usize,
@@ -123,6 +143,7 @@ pub struct SimConfig {
 impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
+            mechanism: SimMechanism::StatusByte,
             remote_blocks: 4,
             block_size: 256,
             send_blocks: 3,
@@ -171,6 +192,12 @@ pub struct SimReport {
     /// Largest number of frames queued at one source.
     pub max_queue: usize,
     pub finished_at: Duration,
+    /// When each block was placed in receiver memory, and at which block, in placement order.
+    pub placed: Vec<(Duration, usize)>,
+    /// Sliding window: times the window was full while blocks waited (the tail had caught up
+    /// with the head), and ACKs the sender received.
+    pub window_full: u64,
+    pub acks: u64,
 }
 
 /// The reference payload of frame `f` of device `d`.
@@ -190,6 +217,14 @@ enum Ev {
         bytes: Vec<u8>,
         status: u8,
     },
+    /// Sliding window: a WRITE WITH IMMEDIATE is placed; its receive completion is queued.
+    PlacedImm {
+        block: usize,
+        bytes: Vec<u8>,
+        imm: u32,
+    },
+    /// Sliding window: an ACK reaches the sender's ACK completion queue.
+    AckArrived(Immediate),
     Completed {
         conn: u64,
         completion: Completion,
@@ -310,8 +345,19 @@ impl Settle for SimSettle {
     }
 }
 
+/// The sliding window's two ends, when the pair runs that mechanism.
+struct Window {
+    sender: WindowSender,
+    receiver: WindowReceiver,
+    /// The receiver's completion queue: blocks arrived, in arrival order.
+    arrived: VecDeque<Immediate>,
+    /// Kept blocks whose lossless message is not handed on yet.
+    unsettled: Vec<usize>,
+}
+
 /// One sender and one receiver, stepped through simulated time.
 pub struct Pair {
+    window: Option<Window>,
     cfg: SimConfig,
     t0: Instant,
     now: Duration,
@@ -366,7 +412,22 @@ impl Pair {
         let mut machine = SenderMachine::new(cfg.max_outstanding);
         machine.handle_connected(layout);
         let n = cfg.devices.len();
+        let window = (cfg.mechanism == SimMechanism::SlidingWindow).then(|| {
+            assert!(
+                cfg.disconnects.is_empty(),
+                "dropped connections are simulated for the status-byte mechanism only"
+            );
+            let mut sender = WindowSender::new(cfg.max_outstanding);
+            sender.handle_connected(layout);
+            Window {
+                sender,
+                receiver: WindowReceiver::new(layout),
+                arrived: VecDeque::new(),
+                unsettled: Vec::new(),
+            }
+        });
         let mut pair = Pair {
+            window,
             t0: Instant::now(),
             now: Duration::ZERO,
             queue: BinaryHeap::new(),
@@ -449,6 +510,11 @@ impl Pair {
         &self.machine
     }
 
+    /// The sliding-window sender, when the pair runs that mechanism.
+    pub fn window_sender(&self) -> Option<&WindowSender> {
+        self.window.as_ref().map(|w| &w.sender)
+    }
+
     /// The receiver's status bytes now.
     pub fn statuses(&self) -> &[u8] {
         &self.statuses
@@ -504,6 +570,10 @@ impl Pair {
         let stats = self.machine.stats();
         self.report.syncs = stats.syncs;
         self.report.retained_skipped = stats.retained_skipped;
+        if let Some(w) = &self.window {
+            self.report.window_full = w.sender.stats().window_full;
+            self.report.acks = w.sender.stats().acks;
+        }
         let (mut gaps, mut dups, mut reordered) = (0, 0, 0);
         for (_, s) in self.session.stats() {
             gaps += s.gap_packets;
@@ -546,7 +616,29 @@ impl Pair {
                     );
                     self.remote[block] = bytes;
                     self.statuses[block] = byte;
+                    self.report.placed.push((now, block));
                 }
+            }
+            Ev::PlacedImm { block, bytes, imm } => {
+                let w = self.window.as_mut().expect("sliding window");
+                // The safety check of the window: blocks arrive in ring order, never over a
+                // block the receiver has not acknowledged, always into a posted receive.
+                let got = w
+                    .receiver
+                    .handle_received(imm)
+                    .unwrap_or_else(|e| panic!("at {now:?}: {e}"));
+                while let Some(a) = w.receiver.poll_action() {
+                    assert!(matches!(a, ReceiverAction::PostRecv { .. }));
+                }
+                w.arrived.push_back(got);
+                self.remote[block] = bytes;
+                self.report.placed.push((now, block));
+            }
+            Ev::AckArrived(imm) => {
+                let w = self.window.as_mut().expect("sliding window");
+                w.sender
+                    .handle_ack(self.t0 + now, imm)
+                    .unwrap_or_else(|e| panic!("at {now:?}: {e}"));
             }
             Ev::Completed { conn, completion } => {
                 if conn == self.conn_id {
@@ -567,6 +659,20 @@ impl Pair {
             }
             Ev::Wake => self.wake_at = None,
             Ev::Poll => self.poll(),
+            Ev::Processed { block, region } if self.window.is_some() => {
+                self.busy = false;
+                let bytes = std::mem::take(&mut self.remote[block]);
+                let held = self.deliver(region, block, &bytes);
+                let retained = self.retained_now.contains(&block);
+                let w = self.window.as_mut().expect("sliding window");
+                if held {
+                    w.unsettled.push(block);
+                }
+                w.receiver.handle_processed(block, held || retained);
+                self.free_settled();
+                self.send_acks();
+                self.push(now, Ev::Poll);
+            }
             Ev::Processed { block, region } => {
                 self.busy = false;
                 if region == self.region_id {
@@ -590,6 +696,7 @@ impl Pair {
                 self.free_settled();
                 self.schedule_reorder_timeout();
             }
+            Ev::RetainStart(j) if self.window.is_some() => self.retained_now.push(j),
             Ev::RetainStart(j) => {
                 // The receiver may only retain a block it holds (1 → 2 when processed), or one
                 // the sender has not synced yet (a fresh region): turning a 0 into 2 could race
@@ -598,6 +705,14 @@ impl Pair {
                 if now == Duration::ZERO && self.statuses[j] == status::EMPTY {
                     self.statuses[j] = status::RETAINED;
                 }
+            }
+            Ev::RetainEnd(j) if self.window.is_some() => {
+                self.retained_now.retain(|&b| b != j);
+                let w = self.window.as_mut().expect("sliding window");
+                if !w.unsettled.contains(&j) {
+                    w.receiver.handle_released(j);
+                }
+                self.send_acks();
             }
             Ev::RetainEnd(j) => {
                 self.retained_now.retain(|&b| b != j);
@@ -639,6 +754,24 @@ impl Pair {
     /// The receiver's polling: takes the next full block (round-robin or random).
     fn poll(&mut self) {
         if self.busy {
+            return;
+        }
+        if let Some(w) = self.window.as_mut() {
+            // The window's receiver takes blocks from its completion queue, in arrival order.
+            match w.arrived.pop_front() {
+                Some(imm) => {
+                    self.busy = true;
+                    let region = self.region_id;
+                    self.push(
+                        self.now + self.cfg.process_time,
+                        Ev::Processed {
+                            block: imm.position,
+                            region,
+                        },
+                    );
+                }
+                None => self.push(self.now + self.cfg.poll_interval, Ev::Poll),
+            }
             return;
         }
         let n = self.cfg.remote_blocks;
@@ -695,8 +828,17 @@ impl Pair {
         held
     }
 
-    /// Blocks whose message was handed on go back to the sender (status 0).
+    /// Blocks whose message was handed on go back to the sender (status 0, or their ACK).
     fn free_settled(&mut self) {
+        if let Some(w) = self.window.as_mut() {
+            for (_, block) in std::mem::take(&mut *self.settled.lock()) {
+                w.unsettled.retain(|&b| b != block);
+                if !self.retained_now.contains(&block) {
+                    w.receiver.handle_released(block);
+                }
+            }
+            return;
+        }
         for (region, block) in std::mem::take(&mut *self.settled.lock()) {
             if region == self.region_id && self.statuses[block] == status::RETAINED {
                 self.statuses[block] = if self.retained_now.contains(&block) {
@@ -705,6 +847,24 @@ impl Pair {
                     status::EMPTY
                 };
             }
+        }
+    }
+
+    /// Sliding window: the receiver SENDs the ACKs it has; each reaches the sender's ACK
+    /// completion queue after a write and a completion latency.
+    fn send_acks(&mut self) {
+        let Some(w) = self.window.as_mut() else {
+            return;
+        };
+        let mut acks = Vec::new();
+        while let Some(a) = w.receiver.poll_action() {
+            if let ReceiverAction::SendAck(imm) = a {
+                acks.push(imm);
+            }
+        }
+        let at = self.now + self.cfg.write_latency + self.cfg.ack_latency;
+        for imm in acks {
+            self.push(at, Ev::AckArrived(imm));
         }
     }
 
@@ -803,7 +963,10 @@ impl Pair {
             } else {
                 Delivery::Unconfirmed
             };
-            self.machine.handle_filled(b, used, delivery);
+            match self.window.as_mut() {
+                Some(w) => w.sender.handle_filled(b, used, delivery),
+                None => self.machine.handle_filled(b, used, delivery),
+            }
             if done {
                 self.pending.pop_front();
             }
@@ -856,6 +1019,9 @@ impl Pair {
     /// blocks back to the filling side, and a wake-up for the sync backoff timer. Returns
     /// whether blocks were freed while messages wait for them.
     fn send(&mut self) -> bool {
+        if self.window.is_some() {
+            return self.send_window();
+        }
         let (t0, now) = (self.t0, self.now);
         self.driver
             .turn(
@@ -917,6 +1083,60 @@ impl Pair {
                 self.wake_at = Some(due);
                 self.push(due, Ev::Wake);
             }
+        }
+        freed && !self.pending.is_empty()
+    }
+}
+
+impl Pair {
+    /// The sliding window's sending thread: completions handed to the machine, every write it
+    /// allows posted as a WRITE WITH IMMEDIATE (placed, then completed at the sender), freed
+    /// blocks back to the filling side. ACKs arrive as their own events (the ACK thread).
+    fn send_window(&mut self) -> bool {
+        let now = self.now;
+        let w = self.window.as_mut().expect("sliding window");
+        for c in self.conn.completions.drain(..) {
+            w.sender.handle_write_completed(c.wr_id());
+        }
+        let mut posted = Vec::new();
+        while let Some(WindowAction::WriteImm {
+            wr_id,
+            send_block,
+            imm,
+        }) = w.sender.poll_action(self.t0 + now)
+        {
+            let bytes = self.conn.blocks.read(send_block, imm.len, |b| b.to_vec());
+            posted.push((wr_id, imm, bytes));
+        }
+        let mut freed = false;
+        while let Some(b) = w.sender.poll_freed() {
+            self.free.push_back(b);
+            freed = true;
+        }
+        let conn = self.conn_id;
+        for (wr_id, imm, mut bytes) in posted {
+            if self.cfg.corrupt_writes.contains(&self.writes_posted)
+                && let Some(b) = bytes.get_mut(crate::proto::HEADER_LEN)
+            {
+                *b ^= 0xff;
+            }
+            self.writes_posted += 1;
+            let placed = now + self.cfg.write_latency;
+            self.push(
+                placed,
+                Ev::PlacedImm {
+                    block: imm.position,
+                    bytes,
+                    imm: imm.encode(),
+                },
+            );
+            self.push(
+                placed + self.cfg.ack_latency,
+                Ev::Completed {
+                    conn,
+                    completion: Completion::Write { wr_id },
+                },
+            );
         }
         freed && !self.pending.is_empty()
     }

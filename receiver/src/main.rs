@@ -133,7 +133,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         status_interval: cfg.status_interval,
         exit_after_eos: cli.exit_after_eos,
         verify: cli.verify,
-        posted_work_requests,
+        // The verbs crate's status-byte posts, and every WorkCounter's (the sliding window's
+        // receives and ACKs, over either transport).
+        posted_work_requests: || {
+            posted_work_requests() + rdmastream::transport::counted_work_requests()
+        },
         memory,
         disk_budget,
         observer,

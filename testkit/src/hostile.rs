@@ -65,6 +65,7 @@ pub fn hello(name: &str, session: u64) -> Hello {
         data_path: DataPath::Tcp,
         qp: QpInfo::default(),
         nonce: [0x42; NONCE_LEN],
+        mechanism: Default::default(),
     }
 }
 

@@ -12,7 +12,9 @@
 //! remote READ and WRITE, memory blocks registered for remote WRITE only, and an RC queue pair
 //! that only ever acts as responder, and answers with a Welcome carrying addresses, rkeys and
 //! its queue pair. The side channel stays open: its end tells the receiver the sender is gone.
-//! The receiver never posts a work request ([`posted_work_requests`] counts them per process).
+//! The receiver never posts a work request ([`posted_work_requests`] counts them per process) —
+//! except for the sliding-window baseline (`mechanism = "sliding-window"`), which by design
+//! posts a receive per block and SENDs an ACK per block (counted by its `WorkCounter`s).
 //!
 //! The shm transport ([`shm`], for a sender and a receiver on one host) lives here too: it maps
 //! memory another process writes, which takes `unsafe` ([`shared`]).
@@ -34,7 +36,9 @@ use crate::ibv::{
     QpCaps, QpConfig, QpEndpoint,
 };
 use rdmastream::error::{Error, Result, spawn};
+use rdmastream::proto::handshake::Mechanism;
 use rdmastream::proto::handshake::{DataPath, Hello, Key, QpInfo, Welcome};
+use rdmastream::proto::window::{ReceiverAction, WindowReceiver};
 use rdmastream::proto::{RemoteLayout, status};
 use rdmastream::transport::tcp::{
     Admitted, SideChannelListener, client_handshake, server_handshake,
@@ -42,7 +46,7 @@ use rdmastream::transport::tcp::{
 use rdmastream::transport::{
     Accepted, Completion, Connection, Connector, HeldBytes, Kind, Notice, NoticeQueue, Refusal,
     RefusalKind, Region, RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks,
-    SideChannelReader, Target, WriteSource, WriteWr,
+    SideChannelReader, Target, WorkCounter, WorkCounts, WriteSource, WriteWr,
 };
 
 /// Work requests this process posted (RDMA WRITEs and READs). A receiver reports it: it must
@@ -323,6 +327,51 @@ impl Connector for VerbsConnector {
         "verbs"
     }
 
+    fn connect_window(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn rdmastream::transport::WindowConnection>> {
+        // The ring is at most MAX_RING blocks: room for a whole ring of ACK receives.
+        let ring = rdmastream::proto::window::MAX_RING;
+        let acks = self
+            .ctx
+            .create_cq(ring as u32 + 1)
+            .map_err(|e| rdma_err("creating the ACK completion queue", e))?;
+        let (inner, acks) = self.open(hello, key, blocks, Some(acks))?;
+        let acks = acks.expect("asked for an ACK queue");
+        rdmastream::proto::window::check_ring(inner.layout).map_err(|why| Error::Handshake {
+            peer: inner.peer.clone(),
+            reason: why,
+        })?;
+        let n = inner.layout.blocks;
+        let ack_mr = Arc::new(
+            self.pd
+                .register(n * ACK_LEN, AccessFlags::LOCAL_WRITE)
+                .map_err(|e| rdma_err("registering the ACK buffers", e))?,
+        );
+        // Send and ACK completion queues.
+        let counts = Arc::new(WorkCounter::new(2));
+        let mut queue = VerbsAckQueue {
+            qp: inner.qp.clone(),
+            cq: acks,
+            mr: ack_mr.clone(),
+            free: (0..n).collect(),
+            counts: counts.clone(),
+            peer: inner.peer.clone(),
+            polled: vec![ibv::Completion::default(); 1],
+        };
+        // RmInit: a receive per ring block before the first write, so an ACK never finds none.
+        rdmastream::transport::AckQueue::post_recv(&mut queue, n)?;
+        Ok(Box::new(VerbsWindowConnection {
+            inner,
+            ack_queue: Some(Box::new(queue)),
+            counts,
+            _ack_mr: ack_mr,
+        }))
+    }
+
     fn peer(&self) -> String {
         self.addr.clone()
     }
@@ -358,6 +407,29 @@ impl Connector for VerbsConnector {
         key: Option<&Key>,
         blocks: &Arc<SendBlocks>,
     ) -> Result<Box<dyn Connection>> {
+        let hello = Hello {
+            mechanism: Mechanism::StatusByte,
+            ..hello.clone()
+        };
+        Ok(Box::new(self.open(&hello, key, blocks, None)?.0))
+    }
+}
+
+/// Bytes of one ACK receive buffer.
+const ACK_LEN: usize = rdmastream::proto::window::ACK_LEN;
+
+impl VerbsConnector {
+    /// Creates the queue pair (receives going to `acks` when given: the sliding window's ACK
+    /// completion queue, else to the send queue's), handshakes and connects it: the part a
+    /// status-byte and a sliding-window connection share.
+    fn open(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+        acks: Option<CompletionQueue>,
+    ) -> Result<(VerbsConnection, Option<CompletionQueue>)> {
+        let window = acks.is_some();
         let peer = self.addr.clone();
         let send_mr = self
             .send_mr
@@ -378,7 +450,12 @@ impl Connector for VerbsConnector {
             caps: QpCaps {
                 // Two WRITEs per chain, plus the status READ.
                 max_send_wr: 2 * depth as u32 + 2,
-                max_recv_wr: 1,
+                // The sliding window's ACK receives: a ring's worth at most.
+                max_recv_wr: if window {
+                    rdmastream::proto::window::MAX_RING as u32
+                } else {
+                    1
+                },
                 max_send_sge: 1,
                 max_recv_sge: 1,
                 max_inline_data: 16,
@@ -388,7 +465,7 @@ impl Connector for VerbsConnector {
         };
         let qp = self
             .pd
-            .create_qp(&cq, &cq, &config)
+            .create_qp(&cq, acks.as_ref().unwrap_or(&cq), &config)
             .map_err(|e| rdma_err("creating the queue pair", e))?;
         let hello = Hello {
             data_path: DataPath::Verbs,
@@ -414,11 +491,11 @@ impl Connector for VerbsConnector {
             .pd
             .register(layout.blocks.max(1), AccessFlags::LOCAL_WRITE)
             .map_err(|e| rdma_err("registering the status cache", e))?;
-        Ok(Box::new(VerbsConnection {
+        let conn = VerbsConnection {
             peer,
             layout,
             welcome,
-            qp,
+            qp: Arc::new(qp),
             cq,
             send_mr,
             send_block_size: blocks.block_size(),
@@ -432,7 +509,153 @@ impl Connector for VerbsConnector {
             peer_timeout: self.peer_timeout,
             polled: vec![ibv::Completion::default(); 16],
             read_len: 0,
-        }))
+        };
+        Ok((conn, acks))
+    }
+}
+
+/// The sender's end of a sliding-window queue pair: the status-byte connection's queue pair,
+/// send completion queue and side channel, posting WRITE WITH IMMEDIATE.
+pub struct VerbsWindowConnection {
+    // Dropped first: the queue pair (when the ACK queue has let go of it too) is destroyed
+    // before the ACK buffers its receives name are deregistered.
+    inner: VerbsConnection,
+    ack_queue: Option<Box<dyn rdmastream::transport::AckQueue>>,
+    counts: Arc<WorkCounter>,
+    _ack_mr: Arc<MemoryRegion>,
+}
+
+impl rdmastream::transport::WindowConnection for VerbsWindowConnection {
+    fn peer(&self) -> &str {
+        &self.inner.peer
+    }
+    fn layout(&self) -> RemoteLayout {
+        self.inner.layout
+    }
+    fn post_write_imm(
+        &mut self,
+        wr_id: u64,
+        send_block: usize,
+        imm: rdmastream::proto::window::Immediate,
+    ) -> Result<()> {
+        let c = &self.inner;
+        let wr = ibv::WriteWr::region(
+            wr_id,
+            &c.send_mr,
+            send_block * c.send_block_size,
+            imm.len,
+            c.welcome.blocks_addr + (imm.position * c.layout.block_size) as u64,
+            c.welcome.blocks_rkey,
+        )
+        .signaled(true)
+        .with_imm(imm.encode());
+        // SAFETY: as for the status-byte write chain: the send block stays registered (held by
+        // this connection and the SendBlocks), and the sending thread gives it back to the
+        // filling thread only after this request's completion has been polled (WindowSender
+        // frees a block when it handles that completion, or later for lossless messages).
+        unsafe { c.qp.post_write_chain(&[wr]) }
+            .map_err(|e| c.lost(format!("posting a WRITE WITH IMMEDIATE: {e}")))?;
+        self.counts.post_send(1);
+        Ok(())
+    }
+    fn poll_completions(&mut self, out: &mut Vec<u64>, timeout: Duration) -> Result<()> {
+        let mut done = Vec::new();
+        Connection::poll_completions(&mut self.inner, &mut done, timeout)?;
+        for c in &done {
+            self.counts.completion();
+            self.counts.complete_send(1);
+            out.push(c.wr_id());
+        }
+        Ok(())
+    }
+    fn take_ack_queue(&mut self) -> Option<Box<dyn rdmastream::transport::AckQueue>> {
+        self.ack_queue.take()
+    }
+    fn heartbeat(&mut self) -> Result<()> {
+        self.inner.check_side_channel()
+    }
+    fn work_counts(&self) -> WorkCounts {
+        self.counts.snapshot()
+    }
+}
+
+/// The sender's ACK completion queue over verbs: one 4-byte receive buffer per ring block.
+struct VerbsAckQueue {
+    // Dropped before `mr`: the queue pair goes (when the connection has let go of it too)
+    // before the buffers its receives name.
+    qp: Arc<ConnectedQp>,
+    cq: CompletionQueue,
+    mr: Arc<MemoryRegion>,
+    /// Buffers (by index) with no receive posted.
+    free: std::collections::VecDeque<usize>,
+    counts: Arc<WorkCounter>,
+    peer: String,
+    polled: Vec<ibv::Completion>,
+}
+
+impl rdmastream::transport::AckQueue for VerbsAckQueue {
+    fn post_recv(&mut self, n: usize) -> Result<()> {
+        for _ in 0..n {
+            let Some(k) = self.free.pop_front() else {
+                return Err(Error::Disconnected {
+                    peer: self.peer.clone(),
+                    reason: "more ACK receives posted than the ring has blocks".into(),
+                });
+            };
+            // SAFETY: buffer `k` is not read until this receive's completion is polled in
+            // `recv` (which then moves it back to `free` before it is posted again); `mr` is
+            // held here and by the connection, and outlives the queue pair (field order).
+            unsafe {
+                self.qp
+                    .post_recv(k as u64, Some((&self.mr, k * ACK_LEN, ACK_LEN)))
+            }
+            .map_err(|e| rdma_err("posting an ACK receive", e))?;
+            self.counts.post_recv(1);
+        }
+        Ok(())
+    }
+    fn recv(&mut self, timeout: Duration) -> Result<Option<rdmastream::proto::window::Immediate>> {
+        let start = Instant::now();
+        loop {
+            let n = self
+                .cq
+                .poll(&mut self.polled)
+                .map_err(|e| rdma_err("polling the ACK completion queue", e))?;
+            if n == 1 {
+                let c = self.polled[0];
+                if let ibv::WcStatus::Error { text, .. } = c.status {
+                    return Err(Error::Disconnected {
+                        peer: self.peer.clone(),
+                        reason: format!("ACK receive failed: {text}"),
+                    });
+                }
+                let k = c.wr_id as usize;
+                // The completion was polled: the NIC placed the ACK before it.
+                let bytes: Vec<u8> = self.mr.atomic_bytes()[k * ACK_LEN..(k + 1) * ACK_LEN]
+                    .iter()
+                    .map(|b| b.load(Ordering::Acquire))
+                    .collect();
+                self.free.push_back(k);
+                self.counts.consume_recv();
+                self.counts.completion();
+                let ack = rdmastream::proto::window::Immediate::from_ack(
+                    &bytes[..c.byte_len.min(ACK_LEN as u32) as usize],
+                )
+                .map_err(|e| Error::Disconnected {
+                    peer: self.peer.clone(),
+                    reason: format!("protocol error: {e}"),
+                })?;
+                return Ok(Some(ack));
+            }
+            if start.elapsed() >= timeout {
+                return Ok(None);
+            }
+            if start.elapsed() > Duration::from_micros(200) {
+                std::thread::sleep(Duration::from_micros(100));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
     }
 }
 
@@ -441,7 +664,7 @@ pub struct VerbsConnection {
     peer: String,
     layout: RemoteLayout,
     welcome: Welcome,
-    qp: ConnectedQp,
+    qp: Arc<ConnectedQp>,
     cq: CompletionQueue,
     send_mr: Arc<MemoryRegion>,
     send_block_size: usize,
@@ -649,9 +872,103 @@ pub struct VerbsRegion {
     notices: NoticeQueue,
     /// This region's share of the receiver's memory budget.
     _reservation: rdmastream::proto::Reservation,
-    _qp: ConnectedQp,
-    _cq: CompletionQueue,
+    /// Set for a sliding-window connection: the receives it keeps posted and the ACKs it SENDs.
+    window: Option<VerbsWindowSide>,
+    qp: ConnectedQp,
+    cq: CompletionQueue,
     _pd: ProtectionDomain,
+}
+
+/// The receiving end of a sliding-window connection over verbs (see
+/// `rdmastream::transport::region` for the tcp emulation's, which this mirrors): a receive
+/// request per ring block, posted again as each is consumed; a thread polling the completion
+/// queue, which turns each WRITE WITH IMMEDIATE's receive completion into a FULL status byte
+/// (the status array is local bookkeeping here, not remotely accessible); an inline SEND of the
+/// ACK when a block is let go.
+struct VerbsWindowSide {
+    receiver: Mutex<WindowReceiver>,
+    counts: WorkCounter,
+    next_send: AtomicU64,
+}
+
+impl VerbsRegion {
+    /// Posts what the window receiver asks for: receive requests (no buffer: a WRITE WITH
+    /// IMMEDIATE's data goes to the address it names) and ACKs as inline SENDs.
+    fn carry_out(&self, w: &VerbsWindowSide, rx: &mut WindowReceiver) -> Result<()> {
+        while let Some(a) = rx.poll_action() {
+            match a {
+                ReceiverAction::PostRecv { count } => {
+                    for _ in 0..count {
+                        // SAFETY: the receive names no buffer, so no memory must be kept.
+                        unsafe { self.qp.post_recv(0, None) }
+                            .map_err(|e| rdma_err("posting a receive", e))?;
+                        w.counts.post_recv(1);
+                    }
+                }
+                ReceiverAction::SendAck(imm) => {
+                    let id = w.next_send.fetch_add(1, Ordering::Relaxed);
+                    self.qp
+                        .post_send_inline(id, &imm.to_ack(), true)
+                        .map_err(|e| rdma_err("posting an ACK", e))?;
+                    w.counts.post_send(1);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The sliding window's completion thread: receive completions (a block arrived) and the
+    /// ACK SENDs' completions, until the region is closed. A failed completion or an immediate
+    /// that breaks the window closes the region.
+    fn poll_window(self: Arc<Self>, name: String) {
+        let Some(w) = &self.window else { return };
+        let mut polled = vec![ibv::Completion::default(); 16];
+        let mut idle = Duration::ZERO;
+        let fail = |why: String| {
+            tracing::warn!(sender = %name, "sliding window: {why}; closing the connection");
+            self.disconnect();
+        };
+        while !self.closed.load(Ordering::Acquire) {
+            let n = match self.cq.poll(&mut polled) {
+                Ok(n) => n,
+                Err(e) => return fail(format!("polling completions: {e}")),
+            };
+            for c in &polled[..n] {
+                if let ibv::WcStatus::Error { text, .. } = c.status {
+                    return fail(format!("work request {} failed: {text}", c.wr_id));
+                }
+                w.counts.completion();
+                match (c.opcode, c.imm) {
+                    (ibv::WcOpcode::RecvRdmaWithImm, Some(imm)) => {
+                        let mut rx = w.receiver.lock();
+                        let at = match rx.handle_received(imm) {
+                            Ok(at) => at,
+                            Err(e) => return fail(e.to_string()),
+                        };
+                        w.counts.consume_recv();
+                        // The completion was polled: the NIC placed the block before it.
+                        self.set_status(at.position, status::FULL);
+                        if let Err(e) = self.carry_out(w, &mut rx) {
+                            return fail(e.to_string());
+                        }
+                    }
+                    (ibv::WcOpcode::Send, _) => w.counts.complete_send(1),
+                    (other, _) => return fail(format!("unexpected completion {other:?}")),
+                }
+            }
+            if n > 0 {
+                idle = Duration::ZERO;
+                continue;
+            }
+            // Spin briefly (blocks come within microseconds while streaming), then back off.
+            if idle < Duration::from_micros(200) {
+                std::hint::spin_loop();
+                idle += Duration::from_micros(1);
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+    }
 }
 
 impl VerbsRegion {
@@ -665,7 +982,10 @@ impl VerbsRegion {
         // turns a 0 into anything else, and the receiver turns it back to 0 only when done), so
         // no RDMA WRITE targets these bytes while the slice lives. A sender breaking the
         // protocol can only change bytes of its own region (own PD and rkeys), which the seal
-        // check then rejects.
+        // check then rejects. Sliding window: the sender writes a ring block again only after
+        // its ACK, which goes out after `release` stored EMPTY; a sender writing it earlier
+        // breaks the window, which the completion thread detects and ends the connection for
+        // (only this region's bytes, again, and the seal check holds).
         unsafe { self.blocks.range(self.block_range(j)) }
     }
 }
@@ -710,6 +1030,16 @@ impl Region for VerbsRegion {
     fn release(&self, j: usize) {
         self.retained.fetch_sub(1, Ordering::Relaxed);
         self.set_status(j, status::EMPTY);
+        if let Some(w) = &self.window {
+            // Empty first: the sender writes the block again only after this ACK.
+            let mut rx = w.receiver.lock();
+            rx.handle_processed(j, false);
+            if let Err(e) = self.carry_out(w, &mut rx) {
+                tracing::warn!("sliding window: {e}; closing the connection");
+                drop(rx);
+                self.disconnect();
+            }
+        }
     }
     fn abandon(&self, _j: usize) {
         self.retained.fetch_sub(1, Ordering::Relaxed);
@@ -718,6 +1048,9 @@ impl Region for VerbsRegion {
         if !self.is_closed() {
             self.notices.push(notice);
         }
+    }
+    fn work_counts(&self) -> Option<WorkCounts> {
+        self.window.as_ref().map(|w| w.counts.snapshot())
     }
 }
 
@@ -788,7 +1121,18 @@ fn handshake(
         let _closed = MarkClosed(&watched.closed);
         watch_side_channel(side, timeout, &watched.closed, &watched.notices);
     });
-    if let Err(e) = watcher {
+    let window = match region.window {
+        Some(_) => {
+            let polled = region.clone();
+            let name = hello.sender.clone();
+            spawn(format!("verbs-window-{}", hello.sender), move || {
+                polled.poll_window(name)
+            })
+            .map(|_| ())
+        }
+        None => Ok(()),
+    };
+    if let Err(e) = watcher.and(window) {
         region.closed.store(true, Ordering::Release);
         return Err(Refusal {
             peer,
@@ -873,6 +1217,7 @@ fn build_region(
     hello: &Hello,
 ) -> Result<(Arc<VerbsRegion>, Welcome, Arc<rdmastream::proto::Budget>)> {
     let (n, b) = (settings.blocks, settings.block_size);
+    let window = matches!(hello.mechanism, Mechanism::SlidingWindow { .. });
     let memory = settings
         .reserve_region()
         .map_err(|(_, why)| Error::invalid("memory_budget", why))?;
@@ -881,11 +1226,14 @@ fn build_region(
     let pd = ctx
         .alloc_pd()
         .map_err(|e| rdma_err("allocating a protection domain", e))?;
+    // The sliding window's status array is the receiver's own bookkeeping: no remote access.
+    let status_access = if window {
+        AccessFlags::LOCAL_WRITE
+    } else {
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
+    };
     let statuses = pd
-        .register(
-            n,
-            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
-        )
+        .register(n, status_access)
         .map_err(|e| rdma_err("registering the status array", e))?;
     for &j in &settings.reserved_blocks {
         statuses.atomic_bytes()[j].store(status::RETAINED, Ordering::Release);
@@ -893,20 +1241,27 @@ fn build_region(
     let blocks = pd
         .register(n * b, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
         .map_err(|e| rdma_err(format!("registering {n} blocks of {b} bytes"), e))?;
+    // The sliding window receives a block per ring slot and SENDs an ACK per block: room for a
+    // ring of each, and their completions.
+    let (depth, inline) = if window { (n as u32 + 1, 16) } else { (1, 0) };
     let cq = ctx
-        .create_cq(1)
+        .create_cq(if window { 2 * depth } else { 1 })
         .map_err(|e| rdma_err("creating a completion queue", e))?;
     let config = QpConfig {
         port: verbs.port,
         gid_index: verbs.gid_index,
         caps: QpCaps {
-            max_send_wr: 1,
-            max_recv_wr: 1,
+            max_send_wr: depth,
+            max_recv_wr: depth,
             max_send_sge: 1,
             max_recv_sge: 1,
-            max_inline_data: 0,
+            max_inline_data: inline,
         },
-        access: AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+        access: if window {
+            AccessFlags::REMOTE_WRITE
+        } else {
+            AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ
+        },
         ..QpConfig::default()
     };
     let qp = pd
@@ -919,8 +1274,8 @@ fn build_region(
     let welcome = Welcome {
         blocks: n as u32,
         block_size: b as u32,
-        status_addr: statuses.addr(),
-        status_rkey: statuses.rkey(),
+        status_addr: if window { 0 } else { statuses.addr() },
+        status_rkey: if window { 0 } else { statuses.rkey() },
         blocks_addr: blocks.addr(),
         blocks_rkey: blocks.rkey(),
         qp: qp_info(&local),
@@ -938,10 +1293,23 @@ fn build_region(
         side: Mutex::new(None),
         notices: NoticeQueue::default(),
         _reservation: region_memory,
-        _qp: qp,
-        _cq: cq,
+        window: window.then(|| VerbsWindowSide {
+            receiver: Mutex::new(WindowReceiver::new(RemoteLayout {
+                blocks: n,
+                block_size: b,
+            })),
+            // One completion queue for the receives and the ACK SENDs.
+            counts: WorkCounter::new(1),
+            next_send: AtomicU64::new(1),
+        }),
+        qp,
+        cq,
         _pd: pd,
     });
+    if let Some(w) = &region.window {
+        // RmInit: every receive is posted before the Welcome lets the sender write.
+        region.carry_out(w, &mut w.receiver.lock())?;
+    }
     Ok((region, welcome, reassembly))
 }
 
@@ -988,6 +1356,7 @@ mod isolation_tests {
             data_path: DataPath::Verbs,
             qp: qp_info(&qp.handshake_info()),
             nonce: [0; 32],
+            mechanism: Default::default(),
         };
         let (side, welcome) = client_handshake(addr, &hello, None).unwrap();
         // The side channel stays open for the connection's life.
@@ -1081,5 +1450,171 @@ mod isolation_tests {
         let mut first = Vec::new();
         region_a.read_block(0, &mut |bytes| first = bytes[..64].to_vec());
         assert_eq!(first, vec![0u8; 64]);
+    }
+}
+
+/// The verbs the sliding-window baseline needs, on real RDMA (Soft-RoCE in the VM): WRITE WITH
+/// IMMEDIATE consuming a posted receive and reporting the immediate, an inline SEND landing in a
+/// posted receive buffer (the ACK), and RNR when no receive is posted. Two queue pairs of one
+/// process are connected to each other. Without a device (the host) they say so and pass.
+#[cfg(test)]
+mod window_verbs_tests {
+    use super::*;
+
+    struct Side {
+        qp: ConnectedQp,
+        cq: CompletionQueue,
+        mr: MemoryRegion,
+        _pd: ProtectionDomain,
+    }
+
+    /// Two connected RC queue pairs (the second one's memory remotely writable), or `None`
+    /// without a device off the VM.
+    fn pair(rnr_retry: u8) -> Option<(Side, Side)> {
+        let on_rdma = std::env::var("RDMASTREAM_TEST_TRANSPORT").as_deref() == Ok("verbs");
+        let settings = VerbsSettings {
+            device: None,
+            port: 1,
+            gid_index: std::env::var("RDMASTREAM_VM_GID_INDEX")
+                .ok()
+                .and_then(|g| g.parse().ok()),
+        };
+        let ctx = match open(&settings) {
+            Ok(c) => c,
+            Err(e) if !on_rdma => {
+                eprintln!("no RDMA device here ({e}); scripts/test-vm.sh runs this over Soft-RoCE");
+                return None;
+            }
+            Err(e) => panic!("RDMASTREAM_TEST_TRANSPORT=verbs but no usable device: {e}"),
+        };
+        let make = |access: AccessFlags| {
+            let pd = ctx.alloc_pd().unwrap();
+            let cq = ctx.create_cq(16).unwrap();
+            let config = QpConfig {
+                port: settings.port,
+                gid_index: settings.gid_index,
+                caps: QpCaps {
+                    max_send_wr: 8,
+                    max_recv_wr: 8,
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: 16,
+                },
+                access,
+                rnr_retry,
+                min_rnr_timer: 1,
+                ..QpConfig::default()
+            };
+            let qp = pd.create_qp(&cq, &cq, &config).unwrap();
+            let mr = pd
+                .register(4096, AccessFlags::LOCAL_WRITE | access)
+                .unwrap();
+            (qp, cq, mr, pd)
+        };
+        let (qa, cqa, mra, pda) = make(AccessFlags::NONE);
+        let (qb, cqb, mrb, pdb) = make(AccessFlags::REMOTE_WRITE);
+        let (ea, eb) = (qa.handshake_info(), qb.handshake_info());
+        let a = Side {
+            qp: qa.connect(&eb).unwrap(),
+            cq: cqa,
+            mr: mra,
+            _pd: pda,
+        };
+        let b = Side {
+            qp: qb.connect(&ea).unwrap(),
+            cq: cqb,
+            mr: mrb,
+            _pd: pdb,
+        };
+        Some((a, b))
+    }
+
+    /// The next completion of `cq`, within 20 s.
+    fn next(cq: &CompletionQueue) -> ibv::Completion {
+        let mut polled = vec![ibv::Completion::default(); 1];
+        let end = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < end {
+            if cq.poll(&mut polled).unwrap() == 1 {
+                return polled[0];
+            }
+            std::thread::yield_now();
+        }
+        panic!("no completion within 20 s");
+    }
+
+    #[test]
+    fn write_with_immediate_then_an_inline_ack() {
+        let Some((a, b)) = pair(7) else { return };
+        // The receiver posts a receive for the block (no buffer: the data goes where the
+        // WRITE says), the sender one for the ACK.
+        // SAFETY: the receives name no buffer (b) or bytes 0..4 of `a.mr`, which nothing
+        // touches until their completion is polled below; both regions outlive the QPs.
+        unsafe {
+            b.qp.post_recv(1, None).unwrap();
+            a.qp.post_recv(2, Some((&a.mr, 0, 4))).unwrap();
+        }
+        for (k, byte) in a.mr.atomic_bytes()[64..164].iter().enumerate() {
+            byte.store(k as u8, Ordering::Relaxed);
+        }
+        let imm = rdmastream::proto::window::Immediate {
+            position: 3,
+            len: 100,
+        };
+        let wr = ibv::WriteWr::region(7, &a.mr, 64, 100, b.mr.addr() + 300, b.mr.rkey())
+            .signaled(true)
+            .with_imm(imm.encode());
+        // SAFETY: bytes 64..164 of `a.mr` are not written again before the completion is
+        // polled below.
+        unsafe { a.qp.post_write_chain(&[wr]) }.unwrap();
+        let sent = next(&a.cq);
+        assert!(sent.is_success(), "{sent:?}");
+        assert_eq!((sent.wr_id, sent.opcode), (7, ibv::WcOpcode::RdmaWrite));
+        let got = next(&b.cq);
+        assert!(got.is_success(), "{got:?}");
+        assert_eq!(got.wr_id, 1);
+        assert_eq!(got.opcode, ibv::WcOpcode::RecvRdmaWithImm);
+        assert_eq!(got.imm, Some(imm.encode()), "the immediate arrives intact");
+        let placed: Vec<u8> = b.mr.atomic_bytes()[300..400]
+            .iter()
+            .map(|x| x.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(placed, (0..100).map(|k| k as u8).collect::<Vec<_>>());
+        // The ACK: an inline SEND of the immediate into the sender's posted receive.
+        b.qp.post_send_inline(9, &imm.to_ack(), true).unwrap();
+        let acked = next(&b.cq);
+        assert!(acked.is_success(), "{acked:?}");
+        assert_eq!((acked.wr_id, acked.opcode), (9, ibv::WcOpcode::Send));
+        let ack = next(&a.cq);
+        assert!(ack.is_success(), "{ack:?}");
+        assert_eq!(
+            (ack.wr_id, ack.opcode, ack.byte_len),
+            (2, ibv::WcOpcode::Recv, 4)
+        );
+        let bytes: Vec<u8> = a.mr.atomic_bytes()[..4]
+            .iter()
+            .map(|x| x.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(
+            rdmastream::proto::window::Immediate::from_ack(&bytes),
+            Ok(imm)
+        );
+    }
+
+    /// Without a posted receive a WRITE WITH IMMEDIATE is refused (RNR): with RNR retries off
+    /// the sender's completion fails, as the tcp emulation fails the connection.
+    #[test]
+    fn a_write_with_immediate_without_a_posted_receive_is_receiver_not_ready() {
+        let Some((a, b)) = pair(0) else { return };
+        let wr = ibv::WriteWr::region(5, &a.mr, 0, 8, b.mr.addr(), b.mr.rkey())
+            .signaled(true)
+            .with_imm(1);
+        // SAFETY: `a.mr` is not written before the completion is polled below.
+        unsafe { a.qp.post_write_chain(&[wr]) }.unwrap();
+        match next(&a.cq).status {
+            ibv::WcStatus::Error { text, .. } => {
+                assert!(text.to_lowercase().contains("rnr"), "{text}")
+            }
+            ibv::WcStatus::Success => panic!("placed without a receive posted"),
+        }
     }
 }

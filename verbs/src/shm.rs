@@ -339,6 +339,17 @@ impl Connector for ShmConnector {
         "shm"
     }
 
+    /// The baseline is measured over tcp and verbs, where the paper compares it; over shared
+    /// memory there is no WRITE WITH IMMEDIATE or SEND to emulate it with.
+    fn connect_window(
+        &self,
+        _: &Hello,
+        _: Option<&Key>,
+        _: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn rdmastream::transport::WindowConnection>> {
+        Err(rdmastream::transport::window_unavailable("shm"))
+    }
+
     fn peer(&self) -> String {
         self.addr.clone()
     }

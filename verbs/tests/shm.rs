@@ -25,6 +25,7 @@ fn hello(name: &str, block_size: u32) -> Hello {
         data_path: DataPath::Tcp,
         qp: QpInfo::default(),
         nonce: [0; 32],
+        mechanism: Default::default(),
     }
 }
 

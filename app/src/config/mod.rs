@@ -58,6 +58,23 @@ pub(crate) fn check_transport(
     }
 }
 
+/// Checks the `mechanism` key (either runs over every transport); returns whether it is the
+/// sliding window.
+pub(crate) fn check_mechanism(
+    file: &std::path::Path,
+    mechanism: &str,
+) -> Result<bool, crate::cli::ConfigError> {
+    match mechanism {
+        "status-byte" => Ok(false),
+        "sliding-window" => Ok(true),
+        other => Err(crate::cli::ConfigError::new(
+            file,
+            "mechanism",
+            format!("{other:?} is not one of status-byte, sliding-window"),
+        )),
+    }
+}
+
 /// Checks the `metrics` key (`--metrics`): an `address:port` to serve metrics on.
 pub(crate) fn check_metrics(
     file: &std::path::Path,
@@ -160,6 +177,42 @@ mod shipped_tests {
             panic!("an unknown transport is accepted")
         };
         assert!(e.reason.contains("auto, tcp, verbs, shm"), "{e}");
+    }
+
+    /// `mechanism` is one of the two, and a sliding-window receiver's ring must fit the
+    /// immediate and have no reserved blocks.
+    #[test]
+    fn the_mechanism_is_checked() {
+        let file = Path::new("s.toml");
+        let sender = |extra: &str| {
+            let text = format!(
+                "name = \"a\"\nreceiver = \"127.0.0.1:1\"\n{extra}\n\
+                 [[device]]\nid = 0\nsource = \"radar-synthetic\"\n"
+            );
+            SenderConfig::parse(&text, file).unwrap().validate(file)
+        };
+        assert!(sender("mechanism = \"sliding-window\"\ntransport = \"tcp\"").is_ok());
+        assert!(sender("mechanism = \"sliding-window\"\ntransport = \"verbs\"").is_ok());
+        assert!(sender("").is_ok());
+        for bad in ["mechanism = \"window\"", "mechanism = \"Sliding-Window\""] {
+            let Err(e) = sender(bad) else {
+                panic!("{bad} accepted")
+            };
+            assert_eq!(e.key, "mechanism", "{e}");
+        }
+        let receiver = |extra: &str| {
+            let text = format!("mechanism = \"sliding-window\"\ntransport = \"tcp\"\n{extra}");
+            ReceiverConfig::parse(&text, file).unwrap().validate(file)
+        };
+        assert!(receiver("").is_ok());
+        let Err(e) = receiver("reserved_blocks = [1]") else {
+            panic!("reserved blocks accepted")
+        };
+        assert_eq!(e.key, "reserved_blocks", "{e}");
+        let Err(e) = receiver("blocks = 129") else {
+            panic!("a ring the immediate cannot address accepted")
+        };
+        assert_eq!(e.key, "blocks", "{e}");
     }
 
     /// The shipped configs document the defaults: every key they set has the value the code

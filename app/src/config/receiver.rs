@@ -22,6 +22,8 @@ pub struct ReceiverConfig {
     pub listen: String,
     #[serde(default = "d_transport")]
     pub transport: String,
+    #[serde(default = "d_mechanism")]
+    pub mechanism: String,
     #[serde(default)]
     pub key: Option<String>,
     #[serde(default)]
@@ -136,6 +138,9 @@ fn d_listen() -> String {
 fn d_transport() -> String {
     "auto".into()
 }
+fn d_mechanism() -> String {
+    "status-byte".into()
+}
 fn d_blocks() -> usize {
     16
 }
@@ -238,6 +243,22 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
     }
     super::check_transport(&cfg.transport, &cfg.listen, "listen")
         .map_err(|(key, why)| err(key, why))?;
+    let window = super::check_mechanism(file, &cfg.mechanism)?;
+    if window {
+        if !cfg.reserved_blocks.is_empty() {
+            return Err(err(
+                "reserved_blocks",
+                "reserved blocks are a status-byte feature: the sliding window writes its ring \
+                 in order and would stall at the first one"
+                    .into(),
+            ));
+        }
+        rdmastream::proto::window::check_ring(rdmastream::proto::RemoteLayout {
+            blocks: cfg.blocks,
+            block_size: cfg.block_size,
+        })
+        .map_err(|why| err("blocks", why))?;
+    }
     if cfg.max_device > 255 {
         return Err(err("max_device", format!("{} is over 255", cfg.max_device)));
     }
@@ -366,6 +387,12 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
             access: AccessControl::new(keys, cfg.max_senders, budget.clone()),
             reassembly,
             peer_timeout: Duration::from_secs_f64(cfg.peer_timeout),
+            mechanism: if cfg.mechanism == "sliding-window" {
+                // The receiver's side of every device's connection; the device is the sender's.
+                rdmastream::proto::handshake::Mechanism::SlidingWindow { device: 0 }
+            } else {
+                rdmastream::proto::handshake::Mechanism::StatusByte
+            },
         },
         options: ReceiverOptions {
             max_device: cfg.max_device as u8,

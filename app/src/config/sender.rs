@@ -17,6 +17,8 @@ pub struct SenderConfig {
     pub receiver: String,
     #[serde(default = "d_transport")]
     pub transport: String,
+    #[serde(default = "d_mechanism")]
+    pub mechanism: String,
     #[serde(default)]
     pub key: Option<String>,
     #[serde(default)]
@@ -78,6 +80,9 @@ pub struct SenderDeviceConfig {
 
 fn d_transport() -> String {
     "auto".into()
+}
+fn d_mechanism() -> String {
+    "status-byte".into()
 }
 fn d_send_blocks() -> usize {
     8
@@ -185,6 +190,7 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
     }
     super::check_transport(&cfg.transport, &cfg.receiver, "receiver")
         .map_err(|(key, why)| err(key, why))?;
+    super::check_mechanism(file, &cfg.mechanism)?;
     let mut devices = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     for (n, d) in cfg.device.iter().enumerate() {

@@ -244,7 +244,12 @@ fn bars(
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], col.filled()));
         chart.draw_series(vals.iter().enumerate().map(|(i, v)| {
             let x = i as f64 + 0.1 + k as f64 * width;
-            Text::new(format!("{v:.0}"), (x, *v + ymax * 0.02), ("sans-serif", 12))
+            let label = if v.fract().abs() < 1e-9 {
+                format!("{v:.0}")
+            } else {
+                format!("{v:.2}")
+            };
+            Text::new(label, (x, *v + ymax * 0.02), ("sans-serif", 12))
         }))?;
     }
     chart
@@ -472,8 +477,9 @@ pub fn plot(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
                     vec![
                         num(r, "sq_depth"),
                         num(r, "rq_depth"),
-                        num(r, "cq_depth"),
-                        (num(r, "send_wrs") + num(r, "recv_wrs")) / n * 1000.0 / 1000.0,
+                        num(r, "cqs"),
+                        (num(r, "send_wrs") + num(r, "recv_wrs")) / n,
+                        num(r, "completions") / n,
                     ],
                 );
             }

@@ -820,6 +820,7 @@ impl BaseSrcImpl for RdmaSrc {
                     settings.max_frame_bytes as usize,
                 ),
                 peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+                mechanism: Default::default(),
             },
             limits: Limits {
                 budget,

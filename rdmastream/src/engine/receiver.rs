@@ -326,9 +326,19 @@ fn accept_loop(
                         idle_since: None,
                     });
                     // A new session starts every stream afresh; the same one carries on.
-                    state
-                        .session
-                        .handle_connected(accepted.hello.session, accepted.memory.clone());
+                    // A sliding-window connection carries one device: only its stream
+                    // starts afresh.
+                    let lane = match accepted.hello.mechanism {
+                        crate::proto::handshake::Mechanism::SlidingWindow { device } => {
+                            Some(device)
+                        }
+                        crate::proto::handshake::Mechanism::StatusByte => None,
+                    };
+                    state.session.handle_lane_connected(
+                        accepted.hello.session,
+                        accepted.memory.clone(),
+                        lane,
+                    );
                     state.connections += 1;
                     state.idle_since = None;
                 }

@@ -1,6 +1,11 @@
 //! The sender's threads: one filling thread (frames → send blocks, numbered per device) and one
 //! sending thread (drives [`SenderMachine`] over one [`Connection`] shared by all devices,
 //! reconnecting with backoff). Sources push into per-device queues ([`DeviceInput`]).
+//!
+//! With [`SenderOptions::sliding_window`] the sending thread runs the sliding-window baseline
+//! instead ([`window`]): one connection per device, over the same filling thread and send blocks.
+
+mod window;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -52,6 +57,9 @@ pub struct SenderOptions {
     /// First packet number of every device (0 normally; tests start near 65535 to see the
     /// numbers wrap).
     pub first_packet: u16,
+    /// Run the sliding-window baseline (one connection per device, WRITE WITH IMMEDIATE and
+    /// ACKs) instead of the status-byte mechanism; the receiver must run it too.
+    pub sliding_window: bool,
 }
 
 impl Default for SenderOptions {
@@ -65,6 +73,7 @@ impl Default for SenderOptions {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             first_packet: 0,
+            sliding_window: false,
         }
     }
 }
@@ -199,6 +208,12 @@ pub struct SenderReport {
     /// Frames not delivered when the sender had to give up: in those blocks, and still queued
     /// at the devices.
     pub undelivered_frames: u64,
+    /// The sliding window's counters, summed over its connections (zero for the status-byte
+    /// mechanism).
+    pub window: crate::proto::window::WindowStats,
+    /// Work requests the sender posted and the queue depths it used, summed over its
+    /// connections (as far as the transport counts them).
+    pub work: crate::transport::WorkCounts,
 }
 
 /// A running sender.
@@ -540,17 +555,22 @@ impl Sending {
 
     fn release_freed(&mut self) {
         while let Some(i) = self.machine.poll_freed() {
-            if let Some(Filled {
-                device,
-                frame_end: Some((bytes, ts)),
-                ..
-            }) = self.meta[i].take()
-            {
-                let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
-                self.counters.device(&device).frame(bytes, Some(latency));
-            }
-            let _ = self.free.send(i);
+            self.release(i);
         }
+    }
+
+    /// Send block `i` is delivered: count its frame (if it ends one), give it back to filling.
+    fn release(&mut self, i: usize) {
+        if let Some(Filled {
+            device,
+            frame_end: Some((bytes, ts)),
+            ..
+        }) = self.meta[i].take()
+        {
+            let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
+            self.counters.device(&device).frame(bytes, Some(latency));
+        }
+        let _ = self.free.send(i);
     }
 }
 
@@ -566,6 +586,9 @@ struct SendingThread {
 }
 
 fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
+    if t.opts.sliding_window {
+        return window::window_sending_thread(t, s);
+    }
     let hello = Hello {
         version: PROTOCOL_VERSION,
         sender: t.opts.name.clone(),
@@ -574,6 +597,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
         data_path: DataPath::Tcp,
         qp: QpInfo::default(),
         nonce: [0; NONCE_LEN],
+        mechanism: crate::proto::handshake::Mechanism::StatusByte,
     };
     let block_size = t.blocks.block_size();
     let mut report = SenderReport::default();
@@ -714,11 +738,16 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
         };
         if let Err(e) = result {
             tracing::warn!("{e}; reconnecting");
-            conn = None;
+            if let Some(w) = conn.take().and_then(|c| c.work_counts()) {
+                window::add_work(&mut report.work, w);
+            }
             s.machine.handle_disconnected();
             t.drops.fetch_add(1, Ordering::Release);
             next_attempt = Instant::now() + backoff;
         }
+    }
+    if let Some(w) = conn.and_then(|c| c.work_counts()) {
+        window::add_work(&mut report.work, w);
     }
     report.machine = s.machine.stats();
     *t.live.lock() = report.machine;

@@ -134,8 +134,15 @@ impl AccessControl {
         peer: &str,
     ) -> Result<Lease, (RefusalKind, String)> {
         let deadline = Instant::now() + TAKEOVER_WAIT;
+        // A sliding-window sender has one connection per device: each holds its own place.
+        let held = match hello.mechanism {
+            crate::proto::handshake::Mechanism::SlidingWindow { device } => {
+                format!("{}/d{device:03}", hello.sender)
+            }
+            crate::proto::handshake::Mechanism::StatusByte => hello.sender.clone(),
+        };
         let mut names = self.names.lock();
-        while let Some(h) = names.get(&hello.sender) {
+        while let Some(h) = names.get(&held) {
             if h.session != hello.session {
                 return Err((
                     RefusalKind::NameInUse,
@@ -154,7 +161,7 @@ impl AccessControl {
                 region.disconnect();
             }
             if self.released.wait_until(&mut names, deadline).timed_out()
-                && names.contains_key(&hello.sender)
+                && names.contains_key(&held)
             {
                 return Err((
                     RefusalKind::NameInUse,
@@ -176,7 +183,7 @@ impl AccessControl {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         names.insert(
-            hello.sender.clone(),
+            held.clone(),
             Holder {
                 session: hello.session,
                 peer: peer.to_string(),
@@ -187,7 +194,7 @@ impl AccessControl {
         );
         Ok(Lease {
             access: self.clone(),
-            name: hello.sender.clone(),
+            name: held,
             id,
         })
     }
@@ -243,6 +250,7 @@ mod tests {
             data_path: DataPath::Tcp,
             qp: QpInfo::default(),
             nonce: [0; 32],
+            mechanism: Default::default(),
         }
     }
 

@@ -88,6 +88,14 @@ impl Connector for MemConnector {
     fn transport(&self) -> &'static str {
         "mem"
     }
+    fn connect_window(
+        &self,
+        _: &Hello,
+        _: Option<&Key>,
+        _: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn super::WindowConnection>> {
+        Err(super::window_unavailable("mem"))
+    }
     fn peer(&self) -> String {
         format!("mem:{}", self.name)
     }

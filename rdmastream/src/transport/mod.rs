@@ -20,6 +20,12 @@
 //!
 //! The receiver side of every transport is passive: the receiver's own code only reads blocks
 //! and stores status bytes in its [`Region`]; it never posts anything.
+//!
+//! The sliding-window baseline ([`crate::proto::window`]) is the exception, by design: over
+//! [`WindowConnection`] the sender posts WRITE WITH IMMEDIATE and receives ACKs into receive
+//! requests it posted, and the receiver posts receive requests and SENDs the ACKs (the tcp
+//! transport emulates both, see [`tcp`]; the verbs crate posts them). Both sides count what
+//! they post ([`WorkCounts`]).
 
 pub mod access;
 pub mod mem;
@@ -29,8 +35,11 @@ pub mod tcp;
 
 use std::time::Duration;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::error::Result;
-use crate::proto::handshake::{Hello, Key};
+use crate::proto::handshake::{Hello, Key, Mechanism};
+use crate::proto::window::Immediate;
 use crate::proto::{RemoteLayout, Reservation};
 
 pub use access::{AccessControl, Keys, Lease};
@@ -123,6 +132,11 @@ pub trait Connection: Send {
     /// [`Connection::heartbeat`]: a wrapper that dropped them would leave a sink unaware that
     /// nobody receives its frames.
     fn take_notices(&mut self) -> Vec<Notice>;
+    /// Work requests this connection posted and the queue depths it used, when the transport
+    /// counts them (`None`: it does not).
+    fn work_counts(&self) -> Option<WorkCounts> {
+        None
+    }
 }
 
 /// What a receiver tells a connected sender about one of its devices without ending the shared
@@ -248,6 +262,141 @@ impl NoticeQueue {
     }
 }
 
+/// What one side of a connection posted and how deep its queues got: the paper's "minimum RNIC
+/// resources" (Figures 16 and 17), counted where the work requests are posted, not assumed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkCounts {
+    /// Work requests posted on the send queue (WRITE, WRITE WITH IMMEDIATE, READ, SEND).
+    pub send_wrs: u64,
+    /// Receive requests posted.
+    pub recv_wrs: u64,
+    /// Completion queue entries generated (all of this side's completion queues).
+    pub completions: u64,
+    /// Most send-queue entries outstanding at once (posted, not yet completed).
+    pub max_send_queue: u64,
+    /// Most receive requests posted and not yet consumed at once.
+    pub max_recv_queue: u64,
+    /// Completion queues this side uses.
+    pub cqs: u64,
+}
+
+/// Work requests posted through any [`WorkCounter`] of this process (the sliding window's, on
+/// any transport, and the tcp emulation's; the verbs crate counts its status-byte posts itself).
+static POSTED: AtomicU64 = AtomicU64::new(0);
+
+/// Work requests counted by the [`WorkCounter`]s of this process so far (send and receive).
+pub fn counted_work_requests() -> u64 {
+    POSTED.load(Ordering::Relaxed)
+}
+
+/// Counts [`WorkCounts`] as work is posted and completed; shared between the threads of a
+/// connection.
+#[derive(Debug, Default)]
+pub struct WorkCounter {
+    send_wrs: AtomicU64,
+    recv_wrs: AtomicU64,
+    completions: AtomicU64,
+    send_queue: AtomicU64,
+    max_send_queue: AtomicU64,
+    recv_queue: AtomicU64,
+    max_recv_queue: AtomicU64,
+    cqs: AtomicU64,
+}
+
+impl WorkCounter {
+    /// A counter for a side that uses `cqs` completion queues.
+    pub fn new(cqs: u64) -> WorkCounter {
+        let c = WorkCounter::default();
+        c.cqs.store(cqs, Ordering::Relaxed);
+        c
+    }
+    /// `n` work requests were posted on the send queue.
+    pub fn post_send(&self, n: u64) {
+        POSTED.fetch_add(n, Ordering::Relaxed);
+        self.send_wrs.fetch_add(n, Ordering::Relaxed);
+        let now = self.send_queue.fetch_add(n, Ordering::Relaxed) + n;
+        self.max_send_queue.fetch_max(now, Ordering::Relaxed);
+    }
+    /// `n` send-queue entries completed.
+    pub fn complete_send(&self, n: u64) {
+        let _ = self
+            .send_queue
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| {
+                Some(q.saturating_sub(n))
+            });
+    }
+    /// `n` receive requests were posted.
+    pub fn post_recv(&self, n: u64) {
+        POSTED.fetch_add(n, Ordering::Relaxed);
+        self.recv_wrs.fetch_add(n, Ordering::Relaxed);
+        let now = self.recv_queue.fetch_add(n, Ordering::Relaxed) + n;
+        self.max_recv_queue.fetch_max(now, Ordering::Relaxed);
+    }
+    /// A receive request was consumed by an incoming message.
+    pub fn consume_recv(&self) {
+        let _ = self
+            .recv_queue
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| {
+                Some(q.saturating_sub(1))
+            });
+    }
+    /// A completion queue entry was generated.
+    pub fn completion(&self) {
+        self.completions.fetch_add(1, Ordering::Relaxed);
+    }
+    /// The counts so far.
+    pub fn snapshot(&self) -> WorkCounts {
+        WorkCounts {
+            send_wrs: self.send_wrs.load(Ordering::Relaxed),
+            recv_wrs: self.recv_wrs.load(Ordering::Relaxed),
+            completions: self.completions.load(Ordering::Relaxed),
+            max_send_queue: self.max_send_queue.load(Ordering::Relaxed),
+            max_recv_queue: self.max_recv_queue.load(Ordering::Relaxed),
+            cqs: self.cqs.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The sender's end of one sliding-window connection (one device): WRITE WITH IMMEDIATE on the
+/// send queue, whose completions come from [`WindowConnection::poll_completions`], and ACKs from
+/// the receiver on a completion queue of their own ([`AckQueue`]), served by the sender's ACK
+/// receiving thread.
+pub trait WindowConnection: Send {
+    /// Who is on the other end, for messages.
+    fn peer(&self) -> &str;
+    /// The receiver's ring, from the handshake (RmInit).
+    fn layout(&self) -> RemoteLayout;
+    /// Posts one signaled RDMA WRITE WITH IMMEDIATE of the first `imm.len` bytes of send block
+    /// `send_block` to ring block `imm.position`, immediate `imm.encode()`.
+    fn post_write_imm(&mut self, wr_id: u64, send_block: usize, imm: Immediate) -> Result<()>;
+    /// Waits up to `timeout` for send completions and appends their work request ids to `out`.
+    /// An error means the connection is gone.
+    fn poll_completions(&mut self, out: &mut Vec<u64>, timeout: Duration) -> Result<()>;
+    /// The ACK completion queue, for the ACK receiving thread (taken once).
+    fn take_ack_queue(&mut self) -> Option<Box<dyn AckQueue>>;
+    /// Liveness, as [`Connection::heartbeat`].
+    fn heartbeat(&mut self) -> Result<()>;
+    /// What this side posted so far.
+    fn work_counts(&self) -> WorkCounts;
+}
+
+/// The sender's ACK completion queue and the receive requests ACKs land in.
+pub trait AckQueue: Send {
+    /// Posts `n` receive requests for ACKs.
+    fn post_recv(&mut self, n: usize) -> Result<()>;
+    /// Waits up to `timeout` for the next ACK (its receive request is consumed). `Ok(None)`: none
+    /// came; an error means the connection is gone.
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Immediate>>;
+}
+
+/// The error of a transport without the sliding-window baseline.
+pub fn window_unavailable(transport: &'static str) -> crate::Error {
+    crate::Error::Unavailable {
+        transport,
+        reason: "the sliding-window mechanism is not implemented on this transport".into(),
+    }
+}
+
 /// How long a peer may stay silent before its connection is given up, unless configured.
 pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -271,6 +420,15 @@ pub trait Connector: Send {
         key: Option<&Key>,
         blocks: &std::sync::Arc<SendBlocks>,
     ) -> Result<Box<dyn Connection>>;
+    /// Connects one sliding-window connection (the device is in `hello.mechanism`). Transports
+    /// that do not implement the baseline return [`window_unavailable`]. No default: a wrapper
+    /// that forgot to pass it on would turn the baseline off without a word.
+    fn connect_window(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &std::sync::Arc<SendBlocks>,
+    ) -> Result<Box<dyn WindowConnection>>;
     /// Allocates (and registers, where the transport needs that) the sender's send blocks, once
     /// at start; [`Connector::connect`] is then given them.
     fn alloc_send_blocks(
@@ -300,6 +458,9 @@ pub struct RegionSettings {
     /// A sender not heard from for this long is gone: its connection is closed and its region
     /// freed (senders send heartbeats when idle).
     pub peer_timeout: Duration,
+    /// The mechanism this receiver runs; a sender of the other one is refused. For the sliding
+    /// window only the kind counts (the device is each connecting sender's own).
+    pub mechanism: Mechanism,
 }
 
 impl RegionSettings {
@@ -312,6 +473,7 @@ impl RegionSettings {
             access: AccessControl::open(),
             reassembly: 64 << 20,
             peer_timeout: DEFAULT_PEER_TIMEOUT,
+            mechanism: Mechanism::StatusByte,
         }
     }
 
@@ -339,6 +501,35 @@ impl RegionSettings {
         hello: &Hello,
         peer: &str,
     ) -> std::result::Result<access::Lease, (RefusalKind, String)> {
+        if !hello.mechanism.same_kind(self.mechanism) {
+            return Err((
+                RefusalKind::Mechanism,
+                format!(
+                    "sender '{}' runs the {} mechanism and this receiver runs {}: set \
+                     `mechanism` the same in both configs",
+                    hello.sender, hello.mechanism, self.mechanism
+                ),
+            ));
+        }
+        if let Mechanism::SlidingWindow { .. } = hello.mechanism
+            && let Err(why) = crate::proto::window::check_ring(RemoteLayout {
+                blocks: self.blocks,
+                block_size: self.block_size,
+            })
+        {
+            return Err((RefusalKind::Resources, why));
+        }
+        if let Mechanism::SlidingWindow { .. } = hello.mechanism
+            && !self.reserved_blocks.is_empty()
+        {
+            // The ring is written in order: a block kept from the start would stall it at once.
+            return Err((
+                RefusalKind::Resources,
+                "reserved blocks are a status-byte feature; this receiver runs the sliding \
+                 window"
+                    .into(),
+            ));
+        }
         if hello.block_size as usize > self.block_size {
             return Err((
                 RefusalKind::BlockSize,
@@ -453,6 +644,8 @@ pub enum RefusalKind {
     Resources,
     /// The sender's blocks are larger than the receiver's.
     BlockSize,
+    /// The sender runs the other transmission mechanism.
+    Mechanism,
 }
 
 impl RefusalKind {
@@ -470,11 +663,12 @@ impl RefusalKind {
             RefusalKind::Lost => "lost",
             RefusalKind::Resources => "resources",
             RefusalKind::BlockSize => "block-size",
+            RefusalKind::Mechanism => "mechanism",
         }
     }
 
     /// Every kind, for counters that list each from the start.
-    pub const ALL: [RefusalKind; 11] = [
+    pub const ALL: [RefusalKind; 12] = [
         RefusalKind::BadHandshake,
         RefusalKind::Version,
         RefusalKind::WrongTransport,
@@ -486,6 +680,7 @@ impl RefusalKind {
         RefusalKind::Lost,
         RefusalKind::Resources,
         RefusalKind::BlockSize,
+        RefusalKind::Mechanism,
     ];
 }
 

@@ -8,16 +8,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Completion, Connection, Connector, Notice, RemoteAddr, SendBlocks, WriteWr};
+use super::{
+    AckQueue, Completion, Connection, Connector, Notice, RemoteAddr, SendBlocks, WindowConnection,
+    WorkCounts, WriteWr,
+};
 use crate::error::{Error, Result};
 use crate::proto::RemoteLayout;
 use crate::proto::handshake::{Hello, Key};
+use crate::proto::window::Immediate;
 
 /// What a watcher of a connector's connections is told.
 pub trait ConnectionObserver: Send + Sync {
-    /// A connection came up with send blocks `blocks`; an error refuses it (the connect fails
-    /// with that error, and [`Self::connect_failed`] is not called for it).
-    fn connected(&self, conn: &dyn Connection, blocks: &SendBlocks) -> Result<()>;
+    /// A connection to `peer` came up with the receiver's `layout` and send blocks `blocks`; an
+    /// error refuses it (the connect fails with that error, and [`Self::connect_failed`] is not
+    /// called for it).
+    fn connected(&self, peer: &str, layout: RemoteLayout, blocks: &SendBlocks) -> Result<()>;
     /// Connecting failed.
     fn connect_failed(&self, error: &Error);
     /// A call on an up connection failed: it is gone.
@@ -51,6 +56,14 @@ impl Connector for ObservedConnector {
     fn alloc_send_blocks(&self, count: usize, block_size: usize) -> Result<Arc<SendBlocks>> {
         self.inner.alloc_send_blocks(count, block_size)
     }
+    fn connect_window(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn WindowConnection>> {
+        self.connect_window_observed(hello, key, blocks)
+    }
     fn connect(
         &self,
         hello: &Hello,
@@ -59,7 +72,8 @@ impl Connector for ObservedConnector {
     ) -> Result<Box<dyn Connection>> {
         match self.inner.connect(hello, key, blocks) {
             Ok(conn) => {
-                self.observer.connected(conn.as_ref(), blocks)?;
+                self.observer
+                    .connected(conn.peer(), conn.layout(), blocks)?;
                 Ok(Box::new(ObservedConnection {
                     inner: conn,
                     observer: self.observer.clone(),
@@ -70,6 +84,78 @@ impl Connector for ObservedConnector {
                 Err(e)
             }
         }
+    }
+}
+
+impl ObservedConnector {
+    fn connect_window_observed(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn WindowConnection>> {
+        match self.inner.connect_window(hello, key, blocks) {
+            Ok(conn) => {
+                self.observer
+                    .connected(conn.peer(), conn.layout(), blocks)?;
+                Ok(Box::new(ObservedWindow {
+                    inner: conn,
+                    observer: self.observer.clone(),
+                }))
+            }
+            Err(e) => {
+                self.observer.connect_failed(&e);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// A sliding-window connection, observed like [`ObservedConnection`].
+struct ObservedWindow {
+    inner: Box<dyn WindowConnection>,
+    observer: Arc<dyn ConnectionObserver>,
+}
+
+impl ObservedWindow {
+    fn observe<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.observer.lost(e);
+        }
+        r
+    }
+}
+
+impl WindowConnection for ObservedWindow {
+    fn peer(&self) -> &str {
+        self.inner.peer()
+    }
+    fn layout(&self) -> RemoteLayout {
+        self.inner.layout()
+    }
+    fn post_write_imm(&mut self, wr_id: u64, send_block: usize, imm: Immediate) -> Result<()> {
+        let r = self.inner.post_write_imm(wr_id, send_block, imm);
+        self.observe(r)
+    }
+    fn poll_completions(&mut self, out: &mut Vec<u64>, timeout: Duration) -> Result<()> {
+        let r = self.inner.poll_completions(out, timeout);
+        self.observe(r)
+    }
+    fn take_ack_queue(&mut self) -> Option<Box<dyn AckQueue>> {
+        self.inner.take_ack_queue()
+    }
+    fn heartbeat(&mut self) -> Result<()> {
+        let r = self.inner.heartbeat();
+        self.observe(r)
+    }
+    fn work_counts(&self) -> WorkCounts {
+        self.inner.work_counts()
+    }
+}
+
+impl Drop for ObservedWindow {
+    fn drop(&mut self) {
+        self.observer.closed();
     }
 }
 
@@ -118,6 +204,9 @@ impl Connection for ObservedConnection {
             self.observer.notice(n);
         }
         notices
+    }
+    fn work_counts(&self) -> Option<WorkCounts> {
+        self.inner.work_counts()
     }
 }
 

@@ -7,8 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, RawMutex, lock_api::ArcMutexGuard};
 
-use super::{Notice, NoticeQueue, RegionSettings, Target};
+use super::{Notice, NoticeQueue, RegionSettings, Target, WorkCounter, WorkCounts};
 use crate::proto::ack::{Ack, Settle};
+use crate::proto::handshake::Mechanism;
+use crate::proto::window::{ReceiverAction, WindowReceiver};
 use crate::proto::{RemoteLayout, Reservation, status};
 
 /// The receiver's view of one sender's region. Status bytes are read with acquire and written
@@ -44,6 +46,11 @@ pub trait Region: Send + Sync {
     /// Sends `notice` to the sender of this region (on its connection's own channel, within a
     /// heartbeat interval); nothing happens once the connection is gone.
     fn notify(&self, notice: Notice);
+    /// Work requests the receiver side posted, when it posts any and the transport counts them
+    /// (the status-byte receiver posts none: `None`).
+    fn work_counts(&self) -> Option<WorkCounts> {
+        None
+    }
 }
 
 /// The bytes of a retained block, however the region stores them.
@@ -156,6 +163,68 @@ impl HeldBytes for SoftHeld {
 /// One memory block, lockable from a retained-block handle too.
 type SharedBlock = Arc<Mutex<Box<[u8]>>>;
 
+/// Where a sliding-window region SENDs its ACKs: the connection, however the transport carries
+/// a SEND.
+pub trait AckLink: Send + Sync {
+    /// SENDs one ACK message (work request `wr_id`).
+    fn send_ack(&self, wr_id: u64, ack: [u8; crate::proto::window::ACK_LEN])
+    -> std::io::Result<()>;
+}
+
+/// The receiving end of a sliding-window connection: the receive requests it keeps posted, the
+/// blocks that arrived, and the ACKs it SENDs when the receiver is done with a block.
+///
+/// The region's status bytes are then the receiver's own bookkeeping, never remotely accessible:
+/// a receive completion marks its block FULL (that is how the polling thread learns of it, in
+/// arrival order, since blocks arrive in ring order), taking the block makes it RETAINED, and
+/// letting it go makes it EMPTY and SENDs its ACK. A block kept downstream is acknowledged only
+/// when it is let go — the sliding window's head waits for it (the paper's Figure 1d).
+struct WindowSide {
+    receiver: Mutex<WindowReceiver>,
+    link: Mutex<Option<Arc<dyn AckLink>>>,
+    counts: WorkCounter,
+    next_send: std::sync::atomic::AtomicU64,
+}
+
+impl WindowSide {
+    fn new(layout: RemoteLayout) -> WindowSide {
+        let side = WindowSide {
+            receiver: Mutex::new(WindowReceiver::new(layout)),
+            link: Mutex::new(None),
+            // One completion queue for the receives and the SENDs.
+            counts: WorkCounter::new(1),
+            next_send: std::sync::atomic::AtomicU64::new(1),
+        };
+        side.carry_out(&mut side.receiver.lock());
+        side
+    }
+
+    /// Posts what the receiver machine asks for: receive requests, and ACKs as SENDs.
+    fn carry_out(&self, r: &mut WindowReceiver) {
+        while let Some(a) = r.poll_action() {
+            match a {
+                ReceiverAction::PostRecv { count } => self.counts.post_recv(count as u64),
+                ReceiverAction::SendAck(imm) => {
+                    let wr_id = self
+                        .next_send
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.counts.post_send(1);
+                    let link = self.link.lock().clone();
+                    // A connection that is gone takes its ACKs with it; the polling thread
+                    // sees the region closed.
+                    if let Some(link) = link
+                        && link.send_ack(wr_id, imm.to_ack()).is_ok()
+                    {
+                        // Emulated: the SEND completes once the connection took it.
+                        self.counts.complete_send(1);
+                        self.counts.completion();
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A receiver region in ordinary memory, written by a software "NIC" (the `mem` transport's
 /// poster or the `tcp` transport's receiving thread).
 pub struct SoftRegion {
@@ -171,6 +240,8 @@ pub struct SoftRegion {
     notices: NoticeQueue,
     /// This region's share of the receiver's memory budget, given back when it is freed.
     _reservation: Option<Reservation>,
+    /// Set when the region is the ring of a sliding-window connection.
+    window: Option<WindowSide>,
 }
 
 /// A remote access that the region's access rights or bounds forbid (what an RNIC reports as a
@@ -206,6 +277,12 @@ impl SoftRegion {
                 AtomicU8::new(s)
             })
             .collect();
+        let window = matches!(settings.mechanism, Mechanism::SlidingWindow { .. }).then(|| {
+            WindowSide::new(RemoteLayout {
+                blocks: settings.blocks,
+                block_size: settings.block_size,
+            })
+        });
         let blocks = (0..settings.blocks)
             .map(|_| {
                 Arc::new(Mutex::new(
@@ -225,12 +302,67 @@ impl SoftRegion {
             link: Mutex::new(None),
             notices: NoticeQueue::default(),
             _reservation: reservation,
+            window,
         })
     }
 
     /// Remembers the connection that writes into this region (see [`Region::disconnect`]).
     pub fn attach_link(&self, link: std::net::TcpStream) {
         *self.link.lock() = Some(link);
+    }
+
+    /// Whether this is the ring of a sliding-window connection.
+    pub fn is_window(&self) -> bool {
+        self.window.is_some()
+    }
+
+    /// Where a sliding-window region SENDs its ACKs.
+    pub fn attach_ack_link(&self, link: Arc<dyn AckLink>) {
+        if let Some(w) = &self.window {
+            *w.link.lock() = Some(link);
+        }
+    }
+
+    /// Applies an RDMA WRITE WITH IMMEDIATE: checks that the immediate describes this write and
+    /// that the receiver can take it (next block in ring order, not held, a receive posted),
+    /// lets `fill` place the bytes, then consumes the receive request and reports the
+    /// completion (the block turns FULL for the polling thread).
+    pub fn write_imm(
+        &self,
+        offset: u64,
+        len: usize,
+        imm: u32,
+        fill: impl FnOnce(&mut [u8]) -> std::io::Result<()>,
+    ) -> Result<std::io::Result<()>, AccessError> {
+        let Some(w) = &self.window else {
+            return Err(AccessError(
+                "WRITE WITH IMMEDIATE on a status-byte connection".into(),
+            ));
+        };
+        let at = w
+            .receiver
+            .lock()
+            .check_arrival(imm)
+            .map_err(|e| AccessError(e.to_string()))?;
+        if offset != (at.position * self.layout.block_size) as u64 || len != at.len {
+            return Err(AccessError(format!(
+                "WRITE WITH IMMEDIATE of {len} bytes at offset {offset} does not match its \
+                 immediate (block {}, {} bytes)",
+                at.position, at.len
+            )));
+        }
+        // The block is not held (checked): nobody else touches it until it turns FULL.
+        let r = fill(&mut self.blocks[at.position].lock()[..len]);
+        if r.is_ok() {
+            let mut rx = w.receiver.lock();
+            rx.handle_received(imm)
+                .map_err(|e| AccessError(e.to_string()))?;
+            w.counts.consume_recv();
+            w.counts.completion();
+            self.statuses[at.position].store(status::FULL, Ordering::Release);
+            w.carry_out(&mut rx);
+        }
+        Ok(r)
     }
 
     /// Marks the connection gone.
@@ -278,6 +410,11 @@ impl SoftRegion {
         len: usize,
         fill: impl FnOnce(&mut [u8]) -> std::io::Result<()>,
     ) -> Result<std::io::Result<()>, AccessError> {
+        if self.window.is_some() {
+            return Err(AccessError(
+                "a sliding-window connection writes only with WRITE WITH IMMEDIATE".into(),
+            ));
+        }
         let (index, within) = self.locate(target, offset, len)?;
         match target {
             Target::Blocks => {
@@ -306,6 +443,11 @@ impl SoftRegion {
     ) -> Result<Vec<u8>, AccessError> {
         if target != Target::Statuses {
             return Err(AccessError("memory blocks do not allow remote READ".into()));
+        }
+        if self.window.is_some() {
+            return Err(AccessError(
+                "a sliding-window connection has no remote status array".into(),
+            ));
         }
         let (index, _) = self.locate(target, offset, len)?;
         Ok(self.statuses[index..index + len]
@@ -349,6 +491,12 @@ impl Region for SoftRegion {
     fn release(&self, j: usize) {
         self.retained.fetch_sub(1, Ordering::Relaxed);
         self.statuses[j].store(status::EMPTY, Ordering::Release);
+        if let Some(w) = &self.window {
+            // Empty first: the sender writes the block again only after this ACK.
+            let mut rx = w.receiver.lock();
+            rx.handle_processed(j, false);
+            w.carry_out(&mut rx);
+        }
     }
     fn abandon(&self, _j: usize) {
         self.retained.fetch_sub(1, Ordering::Relaxed);
@@ -357,6 +505,11 @@ impl Region for SoftRegion {
         if !self.is_closed() {
             self.notices.push(notice);
         }
+    }
+    /// What a sliding-window region posted (receives, ACK SENDs); `None` for a status-byte
+    /// region, whose receiver posts nothing.
+    fn work_counts(&self) -> Option<WorkCounts> {
+        self.window.as_ref().map(|w| w.counts.snapshot())
     }
 }
 

@@ -10,8 +10,21 @@
 //! block bytes written before it), answers READs with acquire loads of the status bytes, and
 //! acknowledges signaled requests after applying them. The receiver's own threads never touch
 //! the socket.
+//!
+//! The sliding-window baseline adds two operations: WRITE_IMM (sender → receiver: a WRITE into
+//! one ring block carrying a 32-bit immediate; the NIC thread checks it against the receiver's
+//! window, places the data, consumes one of the receive requests the region keeps posted and
+//! reports the receive completion) and SEND (receiver → sender: an ACK, which the sender's
+//! completion thread places into one of the receive requests its ACK receiving thread posted and
+//! queues on the ACK completion queue). A message that finds no receive request posted (RNR,
+//! "receiver not ready") ends the connection with an error instead of waiting: both ends post a
+//! receive per ring block before anything can arrive and post it again when it is consumed, so
+//! an RNR can only come from a peer that broke the window, and a failure shows it where a wait
+//! (an RC queue pair's RNR retries) would hide it. On the receiver an ACK is written to the
+//! socket by whichever thread lets the block go, under the lock the NIC thread writes its
+//! answers with, so the two never interleave.
 
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -22,10 +35,11 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
+use super::region::AckLink;
 use super::{
-    Accepted, Completion, Connection, Connector, Lease, Listener, MAX_NOTICE_TEXT, Notice,
-    NoticeQueue, Refusal, RefusalKind, Region, RegionSettings, RemoteAddr, SendBlocks, SoftRegion,
-    Target, WriteSource, WriteWr,
+    Accepted, AckQueue, Completion, Connection, Connector, Lease, Listener, MAX_NOTICE_TEXT,
+    Notice, NoticeQueue, Refusal, RefusalKind, Region, RegionSettings, RemoteAddr, SendBlocks,
+    SoftRegion, Target, WindowConnection, WorkCounter, WorkCounts, WriteSource, WriteWr,
 };
 use crate::error::{Error, Result, spawn};
 use crate::logsafe;
@@ -34,6 +48,7 @@ use crate::proto::handshake::{
     AuthKind, Challenge, DataPath, Hello, Key, MAX_MESSAGE, PROOF_LEN, PROTOCOL_VERSION, Proof,
     Welcome, claimed_version,
 };
+use crate::proto::window::{ACK_LEN, Immediate};
 
 const OP_WRITE: u8 = 1;
 const OP_READ: u8 = 2;
@@ -42,11 +57,15 @@ const OP_READ_RESP: u8 = 4;
 const OP_ERROR: u8 = 5;
 /// Sender → receiver: nothing to do, answered with an ACK (the heartbeat of an idle link).
 const OP_NOP: u8 = 6;
+/// Sender → receiver: WRITE WITH IMMEDIATE (header, u32 immediate, data).
+const OP_WRITE_IMM: u8 = 7;
+/// Receiver → sender: SEND of a sliding-window ACK (header, 4 bytes).
+const OP_SEND: u8 = 8;
 /// The work request id of heartbeats (never a chain's or a sync's).
 const NOP_WR_ID: u64 = u64::MAX;
 /// Receiver → sender, unsolicited: a [`Notice`] about device `target`, its text (`len` bytes,
 /// at most [`MAX_NOTICE_TEXT`]) after the header. Completes nothing.
-const OP_NOTICE: u8 = 7;
+const OP_NOTICE: u8 = 9;
 const OP_HEADER: usize = 24;
 /// How long a peer may take to complete the whole handshake (not each read).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -539,6 +558,72 @@ impl Connector for TcpConnector {
         key: Option<&Key>,
         blocks: &Arc<SendBlocks>,
     ) -> Result<Box<dyn Connection>> {
+        let hello = Hello {
+            mechanism: crate::proto::handshake::Mechanism::StatusByte,
+            ..hello.clone()
+        };
+        Ok(Box::new(self.open(&hello, key, blocks, None)?))
+    }
+
+    fn connect_window(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+    ) -> Result<Box<dyn WindowConnection>> {
+        let route = AckRoute {
+            posted: Arc::new(AtomicUsize::new(0)),
+            counts: Arc::new(WorkCounter::new(2)),
+            acks: crossbeam_channel::unbounded(),
+        };
+        let (posted, counts, acks_rx) = (
+            route.posted.clone(),
+            route.counts.clone(),
+            route.acks.1.clone(),
+        );
+        let inner = self.open(hello, key, blocks, Some(route))?;
+        if let Err(why) = crate::proto::window::check_ring(inner.layout) {
+            return Err(Error::Handshake {
+                peer: inner.peer.clone(),
+                reason: why,
+            });
+        }
+        let mut ack_queue = TcpAckQueue {
+            peer: inner.peer.clone(),
+            posted,
+            counts: counts.clone(),
+            acks: acks_rx,
+        };
+        // RmInit: a receive request per ring block before the first write, so an ACK never
+        // finds none (the ACK receiving thread posts each consumed one again).
+        ack_queue.post_recv(inner.layout.blocks)?;
+        Ok(Box::new(TcpWindowConnection {
+            ack_queue: Some(Box::new(ack_queue)),
+            counts,
+            inner,
+        }))
+    }
+}
+
+/// Where a sliding-window connection's completion thread puts the ACKs it receives.
+struct AckRoute {
+    /// ACK receive requests posted and not consumed.
+    posted: Arc<AtomicUsize>,
+    /// The sender side's counts (send and ACK completion queues).
+    counts: Arc<WorkCounter>,
+    acks: (Sender<Immediate>, Receiver<Immediate>),
+}
+
+impl TcpConnector {
+    /// Handshakes and starts the completion thread: the shared part of a status-byte and a
+    /// sliding-window connection (`acks` set for the latter).
+    fn open(
+        &self,
+        hello: &Hello,
+        key: Option<&Key>,
+        blocks: &Arc<SendBlocks>,
+        acks: Option<AckRoute>,
+    ) -> Result<TcpConnection> {
         let peer = self.addr.clone();
         let hello = Hello {
             data_path: DataPath::Tcp,
@@ -567,6 +652,11 @@ impl Connector for TcpConnector {
             heard.clone(),
             notices.clone(),
         );
+        let counts = match &acks {
+            Some(route) => route.counts.clone(),
+            None => Arc::new(WorkCounter::new(1)),
+        };
+        let acks = acks.map(|r| (r.acks.0, r.posted, r.counts));
         spawn(format!("tcp-completions-{peer}"), move || {
             completion_reader(
                 reader,
@@ -575,6 +665,7 @@ impl Connector for TcpConnector {
                 expected,
                 (started, reader_heard),
                 reader_notices,
+                acks,
             )
         })?;
         // A write that cannot get out for a whole peer timeout (the link is down, the receiver
@@ -586,7 +677,7 @@ impl Connector for TcpConnector {
                 peer: peer.clone(),
                 reason: e.to_string(),
             })?;
-        Ok(Box::new(TcpConnection {
+        Ok(TcpConnection {
             peer,
             layout,
             stream,
@@ -599,7 +690,10 @@ impl Connector for TcpConnector {
             nop_sent: started,
             peer_timeout: self.peer_timeout,
             notices,
-        }))
+            counts,
+            unsignaled: 0,
+            posted: std::collections::VecDeque::new(),
+        })
     }
 }
 
@@ -623,6 +717,7 @@ fn completion_reader(
     expected_read: Arc<AtomicUsize>,
     (started, heard): (Instant, Arc<AtomicU64>),
     notices: NoticeQueue,
+    acks: Option<(Sender<Immediate>, Arc<AtomicUsize>, Arc<WorkCounter>)>,
 ) {
     let mut r = BufReader::with_capacity(16 * 1024, stream);
     let fail = |tx: &Sender<Event>, why: String| {
@@ -687,6 +782,48 @@ fn completion_reader(
                 notices.push(Notice::from_peer(h.target, &text));
                 continue;
             }
+            OP_SEND => {
+                let Some((acks, posted, counts)) = &acks else {
+                    return fail(
+                        &tx,
+                        format!("protocol error from {peer}: a SEND on a status-byte connection"),
+                    );
+                };
+                if h.len as usize != ACK_LEN {
+                    return fail(
+                        &tx,
+                        format!("protocol error from {peer}: a SEND of {} bytes", h.len),
+                    );
+                }
+                let mut ack = [0u8; ACK_LEN];
+                if let Err(e) = r.read_exact(&mut ack) {
+                    return fail(&tx, format!("reading SEND: {e}"));
+                }
+                // Consume one posted receive request, or fail: receiver not ready (RNR).
+                if posted
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                    .is_err()
+                {
+                    return fail(
+                        &tx,
+                        format!(
+                            "RNR: an ACK from {peer} found no receive request posted (the \
+                             receiver acknowledged more blocks than the window holds)"
+                        ),
+                    );
+                }
+                counts.consume_recv();
+                counts.completion();
+                match Immediate::from_ack(&ack) {
+                    Ok(imm) => {
+                        if acks.send(imm).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => return fail(&tx, format!("protocol error from {peer}: {e}")),
+                }
+                continue;
+            }
             OP_ERROR => {
                 let mut text = vec![0u8; (h.len as usize).min(4096)];
                 let _ = r.read_exact(&mut text);
@@ -733,9 +870,68 @@ pub struct TcpConnection {
     peer_timeout: Duration,
     /// Notices the completion reader received.
     notices: NoticeQueue,
+    /// Work requests posted and completed, and the queue depths used.
+    counts: Arc<WorkCounter>,
+    /// Unsignaled work requests posted since the last signaled one (they complete with it).
+    unsignaled: u64,
+    /// Signaled work requests in posting order, with how many queue entries each completes.
+    posted: std::collections::VecDeque<(u64, u64)>,
 }
 
 impl TcpConnection {
+    /// Counts `n` work requests posted, the last signaled with `wr_id` when `signaled`.
+    fn count_post(&mut self, wr_id: u64, n: u64, signaled: bool) {
+        self.counts.post_send(n);
+        if signaled {
+            self.posted.push_back((wr_id, self.unsignaled + n));
+            self.unsignaled = 0;
+        } else {
+            self.unsignaled += n;
+        }
+    }
+
+    /// Counts the completion of `wr_id`: it and every request posted before it are done
+    /// (completions of one queue pair come in posting order).
+    fn count_completion(&mut self, wr_id: u64) {
+        self.counts.completion();
+        while let Some((id, n)) = self.posted.pop_front() {
+            self.counts.complete_send(n);
+            if id == wr_id {
+                break;
+            }
+        }
+    }
+
+    /// Queues one operation: its header, `extra` bytes, then the bytes of `source`.
+    fn push_op(&mut self, h: OpHeader, extra: &[u8], source: WriteSource<'_>) -> Result<()> {
+        self.pending.extend_from_slice(&h.encode());
+        self.pending.extend_from_slice(extra);
+        let r = match source {
+            // Small data is batched; large data goes out with what is batched in one writev,
+            // straight from the send block (no extra user-space copy).
+            WriteSource::SendBlock { index, len } if len >= SMALL_WRITE => {
+                let pending = &mut self.pending;
+                let stream = &mut self.stream;
+                self.blocks
+                    .read(index, len, |b| write_both(stream, pending, b))
+            }
+            WriteSource::SendBlock { index, len } => {
+                self.blocks
+                    .read(index, len, |b| self.pending.extend_from_slice(b));
+                Ok(())
+            }
+            WriteSource::Inline(b) => {
+                self.pending.extend_from_slice(b);
+                Ok(())
+            }
+        };
+        r.map_err(|e| self.lost(format!("sending WRITE: {e}")))?;
+        if self.pending.len() >= SMALL_WRITE {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
     fn lost(&self, reason: impl std::fmt::Display) -> Error {
         Error::Disconnected {
             peer: self.peer.clone(),
@@ -810,35 +1006,14 @@ impl Connection for TcpConnection {
                 offset: wr.remote.offset,
                 wr_id,
             };
-            self.pending.extend_from_slice(&h.encode());
-            let r = match wr.source {
-                // Small data is batched; large data goes out with what is batched in one writev,
-                // straight from the send block (no extra user-space copy).
-                WriteSource::SendBlock { index, len } if len >= SMALL_WRITE => {
-                    let pending = &mut self.pending;
-                    let stream = &mut self.stream;
-                    self.blocks
-                        .read(index, len, |b| write_both(stream, pending, b))
-                }
-                WriteSource::SendBlock { index, len } => {
-                    self.blocks
-                        .read(index, len, |b| self.pending.extend_from_slice(b));
-                    Ok(())
-                }
-                WriteSource::Inline(b) => {
-                    self.pending.extend_from_slice(b);
-                    Ok(())
-                }
-            };
-            r.map_err(|e| self.lost(format!("sending WRITE: {e}")))?;
-        }
-        if self.pending.len() >= SMALL_WRITE {
-            self.flush()?;
+            self.count_post(wr_id, 1, wr.signaled);
+            self.push_op(h, &[], wr.source)?;
         }
         Ok(())
     }
     fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()> {
         self.expected_read.store(len, Ordering::Release);
+        self.count_post(wr_id, 1, true);
         let h = OpHeader {
             op: OP_READ,
             target: remote.target as u8,
@@ -852,6 +1027,7 @@ impl Connection for TcpConnection {
     }
     fn poll_completions(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<()> {
         self.flush()?;
+        let from = out.len();
         match self.completions.recv_timeout(timeout) {
             Ok(ev) => self.handle(ev, out)?,
             Err(RecvTimeoutError::Timeout) => return Ok(()),
@@ -860,7 +1036,15 @@ impl Connection for TcpConnection {
         while let Ok(ev) = self.completions.try_recv() {
             self.handle(ev, out)?;
         }
+        let ids: Vec<u64> = out[from..].iter().map(Completion::wr_id).collect();
+        for id in ids {
+            self.count_completion(id);
+        }
         Ok(())
+    }
+
+    fn work_counts(&self) -> Option<WorkCounts> {
+        Some(self.counts.snapshot())
     }
 
     fn heartbeat(&mut self) -> Result<()> {
@@ -892,6 +1076,125 @@ impl Connection for TcpConnection {
     }
     fn take_notices(&mut self) -> Vec<Notice> {
         self.notices.take()
+    }
+}
+
+/// The sender's end of a TCP-emulated sliding-window connection: the status-byte connection's
+/// socket and completion thread, posting WRITE WITH IMMEDIATE instead of write chains and READs.
+pub struct TcpWindowConnection {
+    inner: TcpConnection,
+    ack_queue: Option<Box<dyn AckQueue>>,
+    counts: Arc<WorkCounter>,
+}
+
+impl WindowConnection for TcpWindowConnection {
+    fn peer(&self) -> &str {
+        &self.inner.peer
+    }
+    fn layout(&self) -> RemoteLayout {
+        self.inner.layout
+    }
+    fn post_write_imm(&mut self, wr_id: u64, send_block: usize, imm: Immediate) -> Result<()> {
+        let h = OpHeader {
+            op: OP_WRITE_IMM,
+            target: Target::Blocks as u8,
+            signaled: true,
+            len: imm.len as u32,
+            offset: (imm.position * self.inner.layout.block_size) as u64,
+            wr_id,
+        };
+        self.inner.count_post(wr_id, 1, true);
+        self.inner.push_op(
+            h,
+            &imm.encode().to_le_bytes(),
+            WriteSource::SendBlock {
+                index: send_block,
+                len: imm.len,
+            },
+        )
+    }
+    fn poll_completions(&mut self, out: &mut Vec<u64>, timeout: Duration) -> Result<()> {
+        let mut done = Vec::new();
+        Connection::poll_completions(&mut self.inner, &mut done, timeout)?;
+        out.extend(done.iter().map(Completion::wr_id));
+        Ok(())
+    }
+    fn take_ack_queue(&mut self) -> Option<Box<dyn AckQueue>> {
+        self.ack_queue.take()
+    }
+    fn heartbeat(&mut self) -> Result<()> {
+        Connection::heartbeat(&mut self.inner)
+    }
+    fn work_counts(&self) -> WorkCounts {
+        self.counts.snapshot()
+    }
+}
+
+/// The sender's ACK completion queue of a TCP-emulated sliding-window connection.
+struct TcpAckQueue {
+    peer: String,
+    posted: Arc<AtomicUsize>,
+    counts: Arc<WorkCounter>,
+    acks: Receiver<Immediate>,
+}
+
+impl AckQueue for TcpAckQueue {
+    fn post_recv(&mut self, n: usize) -> Result<()> {
+        self.posted.fetch_add(n, Ordering::AcqRel);
+        self.counts.post_recv(n as u64);
+        Ok(())
+    }
+    fn recv(&mut self, timeout: Duration) -> Result<Option<Immediate>> {
+        match self.acks.recv_timeout(timeout) {
+            Ok(imm) => Ok(Some(imm)),
+            Err(RecvTimeoutError::Timeout) => Ok(None),
+            Err(RecvTimeoutError::Disconnected) => Err(Error::Disconnected {
+                peer: self.peer.clone(),
+                reason: "connection ended".into(),
+            }),
+        }
+    }
+}
+
+/// The receiver's side of the socket, shared by the NIC thread (its answers, buffered and written
+/// whole at each flush) and the threads that SEND ACKs: one lock, so messages never interleave.
+struct LinkWriter {
+    stream: Arc<Mutex<TcpStream>>,
+    buf: Vec<u8>,
+}
+
+impl Write for LinkWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        if !self.buf.is_empty() {
+            let r = self.stream.lock().write_all(&self.buf);
+            self.buf.clear();
+            r?;
+        }
+        Ok(())
+    }
+}
+
+/// SENDs a sliding-window region's ACKs on its connection.
+struct TcpAckLink(Arc<Mutex<TcpStream>>);
+
+impl AckLink for TcpAckLink {
+    fn send_ack(&self, wr_id: u64, ack: [u8; ACK_LEN]) -> std::io::Result<()> {
+        let h = OpHeader {
+            op: OP_SEND,
+            target: 0,
+            signaled: true,
+            len: ACK_LEN as u32,
+            offset: 0,
+            wr_id,
+        };
+        let mut msg = [0u8; OP_HEADER + ACK_LEN];
+        msg[..OP_HEADER].copy_from_slice(&h.encode());
+        msg[OP_HEADER..].copy_from_slice(&ack);
+        self.0.lock().write_all(&msg)
     }
 }
 
@@ -1272,8 +1575,12 @@ fn emulate_nic(
     stream
         .set_read_timeout(Some(peer_timeout))
         .map_err(|e| e.to_string())?;
-    let mut out =
-        BufWriter::with_capacity(16 * 1024, stream.try_clone().map_err(|e| e.to_string())?);
+    let writer = Arc::new(Mutex::new(stream.try_clone().map_err(|e| e.to_string())?));
+    region.attach_ack_link(Arc::new(TcpAckLink(writer.clone())));
+    let mut out = LinkWriter {
+        stream: writer,
+        buf: Vec::with_capacity(16 * 1024),
+    };
     let mut r = BufReader::with_capacity(256 * 1024, stream);
     serve_requests(&mut r, &mut out, region, peer_timeout)
 }
@@ -1330,6 +1637,25 @@ fn serve_requests<R: Read, W: Write>(
                 match region.write_with(target, h.offset, len, |dst| r.read_exact(dst)) {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => return Err(format!("reading WRITE data: {e}")),
+                    Err(e) => return access_error(out, e.0),
+                }
+                if h.signaled {
+                    let ack = OpHeader {
+                        op: OP_ACK,
+                        len: 0,
+                        ..h
+                    };
+                    out.write_all(&ack.encode()).map_err(|e| e.to_string())?;
+                }
+            }
+            (OP_WRITE_IMM, Some(Target::Blocks)) => {
+                let mut imm = [0u8; 4];
+                r.read_exact(&mut imm)
+                    .map_err(|e| format!("reading WRITE WITH IMMEDIATE: {e}"))?;
+                let imm = u32::from_le_bytes(imm);
+                match region.write_imm(h.offset, h.len as usize, imm, |dst| r.read_exact(dst)) {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(format!("reading WRITE WITH IMMEDIATE data: {e}")),
                     Err(e) => return access_error(out, e.0),
                 }
                 if h.signaled {

@@ -67,8 +67,10 @@ pub enum WcOpcode {
     RdmaRead,
     /// SEND.
     Send,
-    /// Receive.
+    /// Receive (of a SEND).
     Recv,
+    /// Receive consumed by an RDMA WRITE WITH IMMEDIATE.
+    RecvRdmaWithImm,
     /// Not meaningful (failed completions) or not used by this module.
     Other(u32),
 }
@@ -82,8 +84,10 @@ pub struct Completion {
     pub status: WcStatus,
     /// The operation; [`WcOpcode::Other`] for failed completions, whose opcode is undefined.
     pub opcode: WcOpcode,
-    /// Bytes transferred (meaningful for READ completions).
+    /// Bytes transferred (meaningful for READ and receive completions).
     pub byte_len: u32,
+    /// The immediate of a WRITE WITH IMMEDIATE (or SEND with immediate), host order.
+    pub imm: Option<u32>,
 }
 
 impl Default for Completion {
@@ -93,6 +97,7 @@ impl Default for Completion {
             status: WcStatus::Success,
             opcode: WcOpcode::Other(0),
             byte_len: 0,
+            imm: None,
         }
     }
 }
@@ -162,9 +167,11 @@ pub(crate) fn convert_wc(wc: &ffi::ibv_wc) -> Completion {
                 ffi::ibv_wc_opcode::IBV_WC_RDMA_READ => WcOpcode::RdmaRead,
                 ffi::ibv_wc_opcode::IBV_WC_SEND => WcOpcode::Send,
                 ffi::ibv_wc_opcode::IBV_WC_RECV => WcOpcode::Recv,
+                ffi::ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM => WcOpcode::RecvRdmaWithImm,
                 other => WcOpcode::Other(other),
             },
             byte_len: wc.len() as u32,
+            imm: wc.imm_data().map(u32::from_be),
         },
         Some((code, vendor_err)) => Completion {
             wr_id: wc.wr_id(),
@@ -175,6 +182,7 @@ pub(crate) fn convert_wc(wc: &ffi::ibv_wc) -> Completion {
             },
             opcode: WcOpcode::Other(wc.opcode()),
             byte_len: 0,
+            imm: None,
         },
     }
 }

@@ -472,6 +472,10 @@ pub struct WriteWr<'a> {
     pub signaled: bool,
     /// Wait for earlier RDMA READs/atomics of this QP to complete first (`IBV_SEND_FENCE`).
     pub fence: bool,
+    /// RDMA WRITE WITH IMMEDIATE carrying this 32-bit value (host order here; sent in network
+    /// order): the peer must have posted a receive request, which it gets back as a
+    /// completion with the value ([`Completion::imm`]).
+    pub imm: Option<u32>,
 }
 
 impl<'a> WriteWr<'a> {
@@ -491,6 +495,7 @@ impl<'a> WriteWr<'a> {
             rkey,
             signaled: false,
             fence: false,
+            imm: None,
         }
     }
 
@@ -503,6 +508,7 @@ impl<'a> WriteWr<'a> {
             rkey,
             signaled: false,
             fence: false,
+            imm: None,
         }
     }
 
@@ -515,6 +521,12 @@ impl<'a> WriteWr<'a> {
     /// Sets [`fence`](Self::fence).
     pub fn fence(mut self, fence: bool) -> Self {
         self.fence = fence;
+        self
+    }
+
+    /// Makes this a WRITE WITH IMMEDIATE carrying `imm` (see [`imm`](Self::imm)).
+    pub fn with_imm(mut self, imm: u32) -> Self {
+        self.imm = Some(imm);
         self
     }
 }
@@ -625,10 +637,17 @@ impl ConnectedQp {
             }
             let mut w = ffi::ibv_send_wr {
                 wr_id: wr.wr_id,
-                opcode: ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                opcode: match wr.imm {
+                    Some(_) => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+                    None => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                },
                 send_flags: flags,
                 ..Default::default()
             };
+            if let Some(imm) = wr.imm {
+                // The wire carries the immediate in network order (`__be32`).
+                w.__bindgen_anon_1.imm_data = imm.to_be();
+            }
             w.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
                 remote_addr: wr.remote_addr,
                 rkey: wr.rkey,
@@ -686,6 +705,103 @@ impl ConnectedQp {
         // SAFETY: the WR points into `sges`; the destination's validity is the caller's
         // contract.
         unsafe { self.post_list(&mut [w], &mut sges) }
+    }
+
+    /// Posts one SEND of `data` as inline data (copied during the call, so nothing is to be
+    /// kept alive): the peer receives it into a receive request it posted. `data` must fit the
+    /// granted `max_inline_data`.
+    pub fn post_send_inline(&self, wr_id: u64, data: &[u8], signaled: bool) -> Result<()> {
+        if data.len() > self.inner.granted.max_inline_data as usize {
+            return Err(VerbsError::InvalidWorkRequest {
+                wr_index: 0,
+                reason: format!(
+                    "{} inline bytes exceed the granted max_inline_data {}",
+                    data.len(),
+                    self.inner.granted.max_inline_data
+                ),
+            });
+        }
+        let mut flags = ffi::ibv_send_flags::IBV_SEND_INLINE.0;
+        if signaled {
+            flags |= ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        let w = ffi::ibv_send_wr {
+            wr_id,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_SEND,
+            send_flags: flags,
+            ..Default::default()
+        };
+        let mut sges = [ffi::ibv_sge {
+            addr: data.as_ptr() as u64,
+            length: data.len() as u32,
+            lkey: 0,
+        }];
+        // SAFETY: the only sge is inline data, which the provider copies before `post_send`
+        // returns; no memory has to outlive the call.
+        unsafe { self.post_list(&mut [w], &mut sges) }
+    }
+
+    /// Posts one receive request: for a SEND, its bytes land in `buf` (`mr`, offset, length;
+    /// `mr` needs `LOCAL_WRITE`); for a WRITE WITH IMMEDIATE, which carries its data to the
+    /// address it names, `buf` may be `None`. The receive completes on the receive CQ.
+    ///
+    /// # Safety
+    ///
+    /// The bytes of `buf` must stay alive and must not be read or written (except through
+    /// [`MemoryRegion::atomic_bytes`]) until this request's completion has been polled from
+    /// the receive CQ, or the QP is destroyed: keep the `MemoryRegion` alive meanwhile.
+    pub unsafe fn post_recv(
+        &self,
+        wr_id: u64,
+        buf: Option<(&MemoryRegion, usize, usize)>,
+    ) -> Result<()> {
+        let mut sge = match buf {
+            Some((mr, offset, len)) => {
+                if !mr.access.contains(AccessFlags::LOCAL_WRITE) {
+                    return Err(VerbsError::InvalidWorkRequest {
+                        wr_index: 0,
+                        reason: format!(
+                            "receive buffer region has access {:?}, lacks LOCAL_WRITE",
+                            mr.access
+                        ),
+                    });
+                }
+                Some(self.check_local(0, mr, offset, len)?)
+            }
+            None => None,
+        };
+        let mut w = ffi::ibv_recv_wr {
+            wr_id,
+            next: ptr::null_mut(),
+            sg_list: ptr::null_mut(),
+            num_sge: 0,
+        };
+        if let Some(sge) = sge.as_mut() {
+            w.sg_list = sge;
+            w.num_sge = 1;
+        }
+        let qp = self.inner.qp.as_ptr();
+        // SAFETY: the QP and its context are alive while `self` lives; `post_recv` is the
+        // provider's function the header's static inline `ibv_post_recv` calls.
+        let post_recv =
+            unsafe { (*(*qp).context).ops.post_recv }.ok_or_else(|| VerbsError::Verbs {
+                op: "ibv_post_recv",
+                device: self.inner.device().to_owned(),
+                source: io::Error::from(io::ErrorKind::Unsupported),
+            })?;
+        let mut bad: *mut ffi::ibv_recv_wr = ptr::null_mut();
+        // SAFETY: `w` is a single NULL-terminated request whose sge (if any) lives on this
+        // stack frame for the call and describes in-bounds bytes of a live region of this PD,
+        // which the caller keeps valid until the completion.
+        let ret = unsafe { post_recv(qp, &mut w, &mut bad) };
+        if ret != 0 {
+            return Err(VerbsError::PostSend {
+                wr_index: 0,
+                chain_len: 1,
+                source: ret_error(ret),
+            });
+        }
+        Ok(())
     }
 
     /// Links `list[i]` to `sges[i]` and `list[i + 1]`, then posts it.
