@@ -58,12 +58,12 @@ const SIZES: [usize; 10] = [
 
 const USAGE: &str = "usage: bench [throughput|cameras|cameras-shm|frame-cpu|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M]\n       \
-                     bench paper [--quick] [--transport tcp|verbs] [--out DIR]\n       \
+                     bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
 
 /// `bench paper`: the paper's experiments (see [`paper`]).
 fn paper_command(args: &[String]) {
-    let (mut quick, mut net, mut out) = (false, paper::Net::Tcp, None);
+    let (mut quick, mut net, mut out, mut only) = (false, paper::Net::Tcp, None, Vec::new());
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match (a.as_str(), it.clone().next().map(String::as_str)) {
@@ -78,6 +78,10 @@ fn paper_command(args: &[String]) {
             }
             ("--out", Some(dir)) => {
                 out = Some(PathBuf::from(dir));
+                it.next();
+            }
+            ("--only", Some(figs)) => {
+                only = figs.split(',').map(String::from).collect();
                 it.next();
             }
             _ => {
@@ -97,7 +101,7 @@ fn paper_command(args: &[String]) {
         (false, paper::Net::Tcp) => paper::Scale::FULL,
         (false, paper::Net::Verbs) => paper::Scale::FULL_VERBS,
     };
-    paper::run(net, scale, &out, &paper::Mechanism::ALL);
+    paper::run(net, scale, &out, &paper::Mechanism::ALL, &only);
 }
 
 fn main() {

@@ -337,7 +337,11 @@ impl Findings {
 }
 
 /// Runs every experiment; writes the CSVs and the summary into `out`.
-pub fn run(net: Net, scale: Scale, out: &Path, mechanisms: &[Mechanism]) {
+/// `only`: the figures to run (by number, e.g. "18"); empty runs them all.
+pub fn run(net: Net, scale: Scale, out: &Path, mechanisms: &[Mechanism], only: &[String]) {
+    let only = only.to_vec();
+    let wants =
+        move |figs: &[&str]| only.is_empty() || figs.iter().any(|f| only.iter().any(|o| o == f));
     std::fs::create_dir_all(out).unwrap_or_else(|e| panic!("cannot create {}: {e}", out.display()));
     let out = out.to_path_buf();
     let mechanisms = mechanisms.to_vec();
@@ -356,15 +360,27 @@ pub fn run(net: Net, scale: Scale, out: &Path, mechanisms: &[Mechanism]) {
                     .collect::<Vec<_>>()
                     .join(", ")
             );
-            if scale.ceilings {
+            if scale.ceilings && wants(&["10", "12", "13", "14"]) {
                 ceilings(net, &out);
             }
-            sync_latency(net, scale, &out, &mechanisms, &mut found);
-            transmission_latency(net, scale, &out, &mechanisms, &mut found);
-            throughput(net, scale, &out, &mechanisms, &mut found);
-            resources(net, scale, &out, &mechanisms, &mut found);
-            held_block(net, &out, &mechanisms, &mut found);
-            cameras(net, scale, &out, &mechanisms, &mut found);
+            if wants(&["10", "11"]) {
+                sync_latency(net, scale, &out, &mechanisms, &mut found);
+            }
+            if wants(&["12"]) {
+                transmission_latency(net, scale, &out, &mechanisms, &mut found);
+            }
+            if wants(&["13", "14", "15"]) {
+                throughput(net, scale, &out, &mechanisms, &mut found);
+            }
+            if wants(&["16", "17"]) {
+                resources(net, scale, &out, &mechanisms, &mut found);
+            }
+            if wants(&["18"]) {
+                held_block(net, &out, &mechanisms, &mut found);
+            }
+            if wants(&["19"]) {
+                cameras(net, scale, &out, &mechanisms, &mut found);
+            }
             summary(net, &out, &found);
         })
         .unwrap()

@@ -184,7 +184,10 @@ fn draw(area: &Area<'_>, c: &Chart<'_>, data: &Series) -> Result<(), Box<dyn std
                 .legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2))
                 });
-            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, col.filled())))?;
+            // Markers only where they are few enough to read (not on 1 ms time series).
+            if pts.len() <= 40 {
+                chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, col.filled())))?;
+            }
         }
     }
     chart
