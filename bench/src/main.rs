@@ -222,7 +222,7 @@ fn engine_rate(
                         duration_ns: 0,
                         pts_ns: None,
                         format: format.clone(),
-                        data: data.clone(),
+                        data: data.clone().into(),
                     };
                     if !input.push(f) {
                         break;
