@@ -162,7 +162,7 @@ impl LaunchSource {
                 duration_ns,
                 pts_ns: running.map(|r| r.nseconds()),
                 format,
-                data: Bytes::from_owner(data),
+                data: Bytes::from_owner(data).into(),
             };
             index += 1;
             if !push(frame) {

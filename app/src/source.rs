@@ -11,36 +11,103 @@ use rdmastream::error::{Error, Result};
 use rdmastream::proto::Format;
 use rdmastream::stats::unix_now_ns;
 
-pub use rdmastream::engine::SourceFrame;
+pub use rdmastream::engine::{FrameData, FrameWriter, SourceFrame};
 
 /// The synthetic camera reference: pixel (x, y) of frame `f` of device `d` is
 /// R = (x + 2f + 7d) mod 256, G = (y + 3f) mod 256, B = (x ^ y ^ f ^ d) mod 256.
 pub fn camera_pattern(device: u8, f: u64, width: usize, height: usize, out: &mut [u8]) {
     assert_eq!(out.len(), width * height * 3);
+    camera_pattern_range(device, f, width, 0, out);
+}
+
+/// Bytes `offset..offset + out.len()` of [`camera_pattern`]'s frame (any range, so a frame can
+/// be rendered fragment by fragment straight into send blocks).
+pub fn camera_pattern_range(device: u8, f: u64, width: usize, offset: usize, out: &mut [u8]) {
     let d = device as u64;
     let r0 = (2 * f + 7 * d) as u8;
     let g0 = (3 * f) as u8;
     let bx = (f ^ d) as u8;
-    let row_r: Vec<u8> = (0..width).map(|x| (x as u8).wrapping_add(r0)).collect();
-    for (y, row) in out.chunks_exact_mut(width * 3).enumerate() {
+    let row_len = width * 3;
+    let (mut pos, mut out) = (offset, out);
+    while !out.is_empty() {
+        let (y, in_row) = (pos / row_len, pos % row_len);
+        let n = (row_len - in_row).min(out.len());
+        let (chunk, rest) = out.split_at_mut(n);
         let g = (y as u8).wrapping_add(g0);
         let by = (y as u8) ^ bx;
-        for (x, px) in row.chunks_exact_mut(3).enumerate() {
-            px[0] = row_r[x];
-            px[1] = g;
-            px[2] = (x as u8) ^ by;
+        if in_row == 0 && n == row_len {
+            for (x, px) in chunk.chunks_exact_mut(3).enumerate() {
+                px[0] = (x as u8).wrapping_add(r0);
+                px[1] = g;
+                px[2] = (x as u8) ^ by;
+            }
+        } else {
+            // A row cut by a block boundary: byte by byte.
+            for (k, b) in chunk.iter_mut().enumerate() {
+                let i = in_row + k;
+                let x = (i / 3) as u8;
+                *b = match i % 3 {
+                    0 => x.wrapping_add(r0),
+                    1 => g,
+                    _ => x ^ by,
+                };
+            }
         }
+        pos += n;
+        out = rest;
     }
 }
 
 /// The synthetic radar reference: byte i of frame `f` of device `d` is
 /// ((i mod 251) + 13f + 29d) mod 256.
 pub fn radar_pattern(device: u8, f: u64, out: &mut [u8]) {
+    radar_pattern_range(device, f, 0, out);
+}
+
+/// Bytes `offset..offset + out.len()` of [`radar_pattern`]'s frame.
+pub fn radar_pattern_range(device: u8, f: u64, offset: usize, out: &mut [u8]) {
     let base = (13 * f + 29 * device as u64) as u8;
-    for chunk in out.chunks_mut(251) {
-        for (i, b) in chunk.iter_mut().enumerate() {
-            *b = (i as u8).wrapping_add(base);
+    let mut i = offset % 251;
+    for b in out {
+        *b = (i as u8).wrapping_add(base);
+        i += 1;
+        if i == 251 {
+            i = 0;
         }
+    }
+}
+
+/// Frame `f` of a synthetic camera, rendered by the sender's filling thread straight into the
+/// send blocks.
+struct CameraFrame {
+    device: u8,
+    f: u64,
+    width: usize,
+    height: usize,
+}
+
+impl FrameWriter for CameraFrame {
+    fn len(&self) -> usize {
+        self.width * self.height * 3
+    }
+    fn write(&self, offset: usize, dst: &mut [u8]) {
+        camera_pattern_range(self.device, self.f, self.width, offset, dst);
+    }
+}
+
+/// Frame `f` of a synthetic radar, rendered straight into the send blocks.
+struct RadarFrame {
+    device: u8,
+    f: u64,
+    size: usize,
+}
+
+impl FrameWriter for RadarFrame {
+    fn len(&self) -> usize {
+        self.size
+    }
+    fn write(&self, offset: usize, dst: &mut [u8]) {
+        radar_pattern_range(self.device, self.f, offset, dst);
     }
 }
 
@@ -90,11 +157,14 @@ pub enum SourceKind {
     },
 }
 
-/// A frame producer: called with the frame index, returns the frame's bytes.
+/// A frame producer: called with the frame index, returns the frame's contents. Synthetic
+/// frames are rendered in place by the sender's filling thread ([`FrameData::Render`]); decoded
+/// images are shared buffers, copied once into the send blocks. No source builds a buffer per
+/// frame.
 pub struct Producer {
     format: Arc<str>,
     period: Duration,
-    make: Box<dyn FnMut(u64) -> Vec<u8> + Send>,
+    make: Box<dyn FnMut(u64) -> FrameData + Send>,
 }
 
 impl Producer {
@@ -121,9 +191,12 @@ impl Producer {
                         .into(),
                     period: rate_of("fps", fps)?,
                     make: Box::new(move |f| {
-                        let mut v = vec![0u8; w * h * 3];
-                        camera_pattern(device, f, w, h, &mut v);
-                        v
+                        FrameData::Render(Arc::new(CameraFrame {
+                            device,
+                            f,
+                            width: w,
+                            height: h,
+                        }))
                     }),
                 }
             }
@@ -134,9 +207,7 @@ impl Producer {
                 .into(),
                 period: rate_of("rate", rate)?,
                 make: Box::new(move |f| {
-                    let mut v = vec![0u8; size];
-                    radar_pattern(device, f, &mut v);
-                    v
+                    FrameData::Render(Arc::new(RadarFrame { device, f, size }))
                 }),
             },
             SourceKind::Images {
@@ -145,13 +216,18 @@ impl Producer {
                 height,
                 fps,
             } => {
-                let images = load_images(&dir, width, height)?;
+                let images: Vec<rdmastream::bytes::Bytes> = load_images(&dir, width, height)?
+                    .into_iter()
+                    .map(Into::into)
+                    .collect();
                 Producer {
                     format: Format::rgb_video(width, height, fps.round() as u32, 1)
                         .to_string()
                         .into(),
                     period: rate_of("fps", fps)?,
-                    make: Box::new(move |f| images[(f % images.len() as u64) as usize].clone()),
+                    make: Box::new(move |f| {
+                        FrameData::Bytes(images[(f % images.len() as u64) as usize].clone())
+                    }),
                 }
             }
         })
@@ -175,7 +251,7 @@ impl Producer {
             duration_ns: self.period.as_nanos().min(u32::MAX as u128) as u32,
             pts_ns: Some(index * self.period.as_nanos() as u64),
             format: self.format.clone(),
-            data: (self.make)(index).into(),
+            data: (self.make)(index),
         }
     }
 
@@ -272,6 +348,49 @@ mod tests {
         radar_pattern(3, 77, &mut v);
         for (i, b) in v.iter().enumerate() {
             assert_eq!(*b as usize, ((i % 251) + 13 * 77 + 29 * 3) % 256);
+        }
+    }
+
+    #[test]
+    fn synthetic_frames_rendered_in_any_fragments_match_the_whole_frame() {
+        let (w, h) = (37, 5);
+        let mut whole = vec![0; w * h * 3];
+        camera_pattern(4, 300, w, h, &mut whole);
+        let mut radar = vec![0; 2000];
+        radar_pattern(4, 300, &mut radar);
+        let camera = Producer::new(
+            4,
+            &SourceKind::CameraSynthetic {
+                width: w as u32,
+                height: h as u32,
+                fps: 25.0,
+            },
+        )
+        .unwrap()
+        .frame(300)
+        .data;
+        let radar_frame = Producer::new(
+            4,
+            &SourceKind::RadarSynthetic {
+                size: 2000,
+                rate: 25.0,
+            },
+        )
+        .unwrap()
+        .frame(300)
+        .data;
+        assert!(matches!(camera, FrameData::Render(_)));
+        assert!(matches!(radar_frame, FrameData::Render(_)));
+        // Fragment sizes that cut rows and pixels anywhere, a whole row, and the whole frame.
+        for frag in [1, 2, 7, 100, w * 3, 1000, whole.len()] {
+            for (data, want) in [(&camera, &whole), (&radar_frame, &radar)] {
+                assert_eq!(data.len(), want.len());
+                let mut got = vec![0xAA; want.len()];
+                for (k, dst) in got.chunks_mut(frag).enumerate() {
+                    data.write(k * frag, dst);
+                }
+                assert_eq!(&got, want, "fragments of {frag}");
+            }
         }
     }
 

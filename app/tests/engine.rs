@@ -990,3 +990,124 @@ fn a_receivers_notice_reaches_the_sender_and_ends_nothing() {
         assert!(!accepted.region.is_closed());
     }
 }
+
+/// A frame rendered in place: byte i is a function of (seed, i), so any range can be produced
+/// on its own. Records the ranges it was asked for.
+struct Rendered {
+    seed: u8,
+    len: usize,
+    calls: std::sync::Mutex<Vec<std::ops::Range<usize>>>,
+}
+
+impl Rendered {
+    fn byte(seed: u8, i: usize) -> u8 {
+        (i as u8).wrapping_mul(31) ^ (i >> 8) as u8 ^ seed
+    }
+    fn bytes(seed: u8, len: usize) -> Vec<u8> {
+        (0..len).map(|i| Self::byte(seed, i)).collect()
+    }
+}
+
+impl rdmastream::engine::FrameWriter for Rendered {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn write(&self, offset: usize, dst: &mut [u8]) {
+        self.calls.lock().unwrap().push(offset..offset + dst.len());
+        for (k, b) in dst.iter_mut().enumerate() {
+            *b = Self::byte(self.seed, offset + k);
+        }
+    }
+}
+
+#[test]
+fn frames_written_in_place_and_copied_arrive_bit_exact_including_fragmented_ones() {
+    use rdmastream::engine::{FrameData, SourceFrame};
+    #[derive(Default)]
+    struct Hoard(std::sync::Mutex<Vec<(u64, rdmastream::bytes::Bytes)>>);
+    impl rdmastream::engine::FrameSink for Hoard {
+        fn handle(
+            &self,
+            _: &rdmastream::engine::StreamKey,
+            _: u64,
+            _: &Arc<rdmastream::stats::DeviceCounters>,
+            event: rdmastream::proto::StreamEvent,
+        ) {
+            rdmastream::proto::ack::settle(event.ack());
+            if let rdmastream::proto::StreamEvent::Frame(f) = event {
+                self.0.lock().unwrap().push((f.index, f.data));
+            }
+        }
+    }
+    const BLOCK: usize = 4096;
+    let cap = rdmastream::proto::payload_capacity(BLOCK);
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, BLOCK, vec![]));
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "in-place".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: BLOCK,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
+    let input = s.add_device(9, DropPolicy::Block);
+    // One block exactly, less than one, three blocks and a bit, and empty: each once rendered
+    // in place and once copied from bytes with the same contents.
+    let lens = [cap, 1000, 3 * cap + 17, 0];
+    let mut writers = Vec::new();
+    let mut index = 0;
+    for (k, &len) in lens.iter().enumerate() {
+        let seed = k as u8 * 17;
+        let w = Arc::new(Rendered {
+            seed,
+            len,
+            calls: Default::default(),
+        });
+        writers.push(w.clone());
+        for data in [
+            FrameData::Render(w),
+            FrameData::Bytes(Rendered::bytes(seed, len).into()),
+        ] {
+            assert!(input.push(SourceFrame {
+                index,
+                timestamp_ns: 1,
+                duration_ns: 0,
+                pts_ns: None,
+                format: "application/octet-stream".into(),
+                data,
+            }));
+            index += 1;
+        }
+    }
+    input.end();
+    assert_eq!(s.finish(Duration::from_secs(20)).unwrap().unsent, 0);
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    let held = sink.0.lock().unwrap();
+    assert_eq!(held.len(), 2 * lens.len());
+    for (i, (index, data)) in held.iter().enumerate() {
+        assert_eq!(*index, i as u64);
+        let k = i / 2;
+        let how = if i % 2 == 0 { "in place" } else { "copied" };
+        assert_eq!(
+            &data[..],
+            &Rendered::bytes(k as u8 * 17, lens[k])[..],
+            "frame {i} ({how}, {} bytes)",
+            lens[k]
+        );
+    }
+    drop(held);
+    receiver.stop();
+    // Each rendered frame was written once, fragment by fragment, straight into the blocks.
+    for (w, &len) in writers.iter().zip(&lens) {
+        let calls = w.calls.lock().unwrap().clone();
+        let want: Vec<_> = (0..len.div_ceil(cap).max(1))
+            .map(|k| rdmastream::proto::fragment_range(k, len, BLOCK))
+            .collect();
+        assert_eq!(calls, want, "{len}-byte frame");
+    }
+}

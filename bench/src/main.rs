@@ -14,7 +14,9 @@
 //! [--seconds S]`;
 //! in the Soft-RoCE VM (`scripts/bench-vm.sh [verbs|verbs-sync]`): `verbs`, `verbs-sync [--rounds R]`.
 //! `frame-cpu`: what one 640×480 RGB frame costs the CPU outside the transport (the filling
-//! copy, the CRC32C seal, the receiver's validation), here or in the VM, to compare the two.
+//! copy, the CRC32C seal, the receiver's validation), here or in the VM, to compare the two;
+//! with the in-place paths beside the copying one. `frame-instr [--rounds R]`: the same steps
+//! alone, to count their instructions under callgrind (see `frame_instr`).
 
 mod paper;
 mod soak;
@@ -56,7 +58,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|cameras|cameras-shm|frame-cpu|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
@@ -145,6 +147,7 @@ fn main() {
         "throughput" => throughput(seconds),
         "verbs" => verbs(seconds),
         "frame-cpu" => frame_cpu(),
+        "frame-instr" => frame_instr(opt("--rounds", 5.0) as usize),
         "verbs-sync" => {
             let rounds = opt("--rounds", 5.0) as usize;
             sync_rounds(
@@ -226,7 +229,7 @@ fn engine_rate(
                         duration_ns: 0,
                         pts_ns: None,
                         format: format.clone(),
-                        data: data.clone(),
+                        data: data.clone().into(),
                     };
                     if !input.push(f) {
                         break;
@@ -719,64 +722,191 @@ fn sync_rounds(settings: &VerbsSettings, rounds: usize) {
     }
 }
 
+/// One 640×480 RGB frame in one block, and the sender's and receiver's per-frame steps on it.
+/// Each step is its own non-inlined function so callgrind can count its instructions
+/// (`bench frame-instr` under `valgrind --tool=callgrind`, see [`frame_instr`]).
+struct FrameSteps {
+    payload: Vec<u8>,
+    block: Vec<u8>,
+    copy: Vec<u8>,
+    header: rdmastream::proto::BlockHeader,
+    /// The synthetic camera's frame as the source hands it over: rendered in place.
+    camera: rdmastream::engine::FrameData,
+}
+
+impl FrameSteps {
+    fn new() -> FrameSteps {
+        use rdmastream::proto::{BlockHeader, NO_PTS, OVERHEAD};
+        let payload: Vec<u8> = (0..640 * 480 * 3).map(|i| (i % 251) as u8).collect();
+        let kind = rdmastream_app::source::SourceKind::CameraSynthetic {
+            width: 640,
+            height: 480,
+            fps: 25.0,
+        };
+        let camera = rdmastream_app::source::Producer::new(0, &kind)
+            .expect("camera")
+            .frame(7)
+            .data;
+        FrameSteps {
+            block: vec![0u8; payload.len() + OVERHEAD],
+            copy: vec![0u8; payload.len()],
+            header: BlockHeader {
+                device: 0,
+                packet: 0,
+                flags: 0,
+                fragment_index: 0,
+                fragment_count: 1,
+                payload_len: payload.len() as u32,
+                frame_index: 0,
+                timestamp_ns: 0,
+                message_len: payload.len() as u32,
+                duration_ns: 0,
+                pts_ns: NO_PTS,
+            },
+            payload,
+            camera,
+        }
+    }
+
+    /// One plain copy of the frame: the yardstick.
+    #[inline(never)]
+    fn plain_copy(&mut self) {
+        self.copy
+            .copy_from_slice(std::hint::black_box(&self.payload));
+    }
+
+    /// The copying path (a frame from bytes: GStreamer buffers, images): header + copy + seal.
+    #[inline(never)]
+    fn fill_copied(&mut self) {
+        let used = self
+            .header
+            .write_header_and_payload(std::hint::black_box(&self.payload), &mut self.block);
+        self.header.seal(&mut self.block[..used]);
+    }
+
+    /// In place, the payload already written by its producer (into the block): header + seal.
+    #[inline(never)]
+    fn fill_in_place_written(&mut self) {
+        let used = self.header.write_header_with(&mut self.block, |_| {});
+        self.header.seal(&mut self.block[..used]);
+    }
+
+    /// In place, the header alone: what the path costs without the CRC32C seal.
+    #[inline(never)]
+    fn fill_in_place_no_seal(&mut self) {
+        self.header.write_header_with(&mut self.block, |_| {});
+        std::hint::black_box(&self.block);
+    }
+
+    /// The synthetic camera rendered straight into the block, then sealed (the source's
+    /// rendering included).
+    #[inline(never)]
+    fn fill_camera_in_place(&mut self) {
+        let camera = &self.camera;
+        let used = self
+            .header
+            .write_header_with(&mut self.block, |dst| camera.write(0, dst));
+        self.header.seal(&mut self.block[..used]);
+    }
+
+    /// Before in-place frames: the camera rendered into a Vec of its own, then copied and sealed.
+    #[inline(never)]
+    fn fill_camera_via_vec(&mut self) {
+        let mut v = vec![0u8; 640 * 480 * 3];
+        rdmastream_app::source::camera_pattern(0, 7, 640, 480, &mut v);
+        let used = self
+            .header
+            .write_header_and_payload(std::hint::black_box(&v), &mut self.block);
+        self.header.seal(&mut self.block[..used]);
+    }
+
+    /// The receiver's validation: decode + CRC32C check.
+    #[inline(never)]
+    fn receiver_check(&mut self) {
+        rdmastream::proto::BlockHeader::decode_block(std::hint::black_box(&self.block), 255)
+            .expect("valid");
+    }
+}
+
+type Step = (&'static str, fn(&mut FrameSteps));
+
+const FRAME_STEPS: [Step; 7] = [
+    ("payload copy (memcpy)", FrameSteps::plain_copy),
+    (
+        "filling copied: header + copy + CRC32C seal",
+        FrameSteps::fill_copied,
+    ),
+    (
+        "filling in place, payload written: header + seal",
+        FrameSteps::fill_in_place_written,
+    ),
+    (
+        "filling in place, payload written: header only",
+        FrameSteps::fill_in_place_no_seal,
+    ),
+    (
+        "camera rendered in place + header + seal",
+        FrameSteps::fill_camera_in_place,
+    ),
+    (
+        "camera rendered into a Vec + copy + seal",
+        FrameSteps::fill_camera_via_vec,
+    ),
+    (
+        "receiver: decode + CRC32C check",
+        FrameSteps::receiver_check,
+    ),
+];
+
 /// The per-frame CPU work around the transport for one 640×480 RGB frame in one block: a plain
-/// copy of the payload, the filling thread's encode (copy + header + CRC32C seal), and the
-/// receiver's validation (CRC32C check). Medians of 200 runs, in ms and MB/s.
+/// copy of the payload, the filling thread's paths (copied, in place with the payload already
+/// written, the synthetic camera rendered in place and, for comparison, rendered into a Vec
+/// first as before), and the receiver's validation. Medians of 200 runs, in ms and MB/s.
 fn frame_cpu() {
-    use rdmastream::proto::{BlockHeader, NO_PTS, OVERHEAD};
-    let payload: Vec<u8> = (0..640 * 480 * 3).map(|i| (i % 251) as u8).collect();
-    let mut block = vec![0u8; payload.len() + OVERHEAD];
-    let mut copy = vec![0u8; payload.len()];
-    let header = BlockHeader {
-        device: 0,
-        packet: 0,
-        flags: 0,
-        fragment_index: 0,
-        fragment_count: 1,
-        payload_len: payload.len() as u32,
-        frame_index: 0,
-        timestamp_ns: 0,
-        message_len: payload.len() as u32,
-        duration_ns: 0,
-        pts_ns: NO_PTS,
-    };
-    let median = |f: &mut dyn FnMut()| {
+    let mut steps = FrameSteps::new();
+    steps.fill_copied();
+    let median = |steps: &mut FrameSteps, f: fn(&mut FrameSteps)| {
         let mut t: Vec<f64> = (0..200)
             .map(|_| {
                 let start = Instant::now();
-                f();
+                f(steps);
                 start.elapsed().as_secs_f64()
             })
             .collect();
         t.sort_by(|a, b| a.partial_cmp(b).unwrap());
         t[t.len() / 2]
     };
-    let mb = payload.len() as f64 / 1e6;
+    let mb = steps.payload.len() as f64 / 1e6;
     println!(
         "-- per-frame CPU work for one 640x480 RGB frame ({} bytes), median of 200",
-        payload.len()
+        steps.payload.len()
     );
-    println!("{:<44} {:>10} {:>10}", "step", "ms", "MB/s");
-    let rows: [(&str, f64); 3] = [
-        (
-            "payload copy (memcpy)",
-            median(&mut || copy.copy_from_slice(std::hint::black_box(&payload))),
-        ),
-        (
-            "filling: header + copy + CRC32C seal",
-            median(&mut || {
-                header.encode_block(std::hint::black_box(&payload), &mut block);
-            }),
-        ),
-        (
-            "receiver: decode + CRC32C check",
-            median(&mut || {
-                BlockHeader::decode_block(std::hint::black_box(&block), 255).expect("valid");
-            }),
-        ),
-    ];
-    for (step, secs) in rows {
-        println!("{step:<44} {:>10.3} {:>10.0}", secs * 1e3, mb / secs);
+    println!("{:<50} {:>10} {:>10} {:>8}", "step", "ms", "MB/s", "x copy");
+    let copy = median(&mut steps, FrameSteps::plain_copy);
+    for (step, f) in FRAME_STEPS {
+        let secs = median(&mut steps, f);
+        println!(
+            "{step:<50} {:>10.3} {:>10.0} {:>8.2}",
+            secs * 1e3,
+            mb / secs,
+            secs / copy
+        );
+    }
+}
+
+/// Runs each of [`FRAME_STEPS`] `rounds` times and nothing else, for an instruction count per
+/// step (hardware counters are often missing in VMs and containers; callgrind counts the same
+/// on any machine, however busy):
+/// `valgrind --tool=callgrind --callgrind-out-file=cg.out target/release/bench frame-instr --rounds 5`
+/// then `callgrind_annotate --inclusive=yes cg.out | grep FrameSteps` and divide by the rounds.
+fn frame_instr(rounds: usize) {
+    let mut steps = FrameSteps::new();
+    steps.fill_copied();
+    for (step, f) in FRAME_STEPS {
+        for _ in 0..rounds {
+            f(&mut steps);
+        }
+        println!("{step}: {rounds} rounds");
     }
 }
 

@@ -141,10 +141,20 @@ impl BlockHeader {
             self.payload_len as usize,
             "payload_len mismatch"
         );
-        let used = OVERHEAD + payload.len();
+        self.write_header_with(block, |dst| dst.copy_from_slice(payload))
+    }
+
+    /// Writes the header and hands `write` the payload area (exactly `payload_len` bytes, right
+    /// after the header) to produce the payload in place — a source rendering a frame straight
+    /// into the block it is sent from, with no copy. `write` must set every byte of the area
+    /// (it holds whatever the block carried before). Returns the bytes used, like
+    /// [`Self::write_header_and_payload`]; [`Self::seal`] must follow.
+    pub fn write_header_with(&self, block: &mut [u8], write: impl FnOnce(&mut [u8])) -> usize {
+        let len = self.payload_len as usize;
+        let used = OVERHEAD + len;
         assert!(used <= block.len(), "block too small for payload");
         self.write_header(&mut block[..HEADER_LEN]);
-        block[HEADER_LEN..HEADER_LEN + payload.len()].copy_from_slice(payload);
+        write(&mut block[HEADER_LEN..HEADER_LEN + len]);
         used
     }
 
@@ -297,6 +307,27 @@ mod tests {
         let (d, p) = BlockHeader::decode_block(&block, 255).unwrap();
         assert_eq!(d, h);
         assert_eq!(p, b"hello");
+    }
+
+    #[test]
+    fn a_payload_written_in_place_makes_the_same_block_as_a_copied_one() {
+        let h = sample();
+        let mut copied = vec![0xEE; 128];
+        let used = h.write_header_and_payload(b"hello", &mut copied);
+        h.seal(&mut copied);
+        let mut in_place = vec![0x11; 128];
+        let mut area_len = 0;
+        let used2 = h.write_header_with(&mut in_place, |dst| {
+            area_len = dst.len();
+            dst.copy_from_slice(b"hello");
+        });
+        h.seal(&mut in_place);
+        assert_eq!((used, used2, area_len), (OVERHEAD + 5, OVERHEAD + 5, 5));
+        assert_eq!(&copied[..used], &in_place[..used]);
+        assert_eq!(
+            BlockHeader::decode_block(&in_place, 255).unwrap().1,
+            b"hello"
+        );
     }
 
     #[test]

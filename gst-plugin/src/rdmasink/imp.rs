@@ -764,7 +764,7 @@ impl BaseSinkImpl for RdmaSink {
                 pts_ns,
                 format: caps.clone(),
                 // No copy here: the filling thread copies straight from the buffer's memory.
-                data: Bytes::from_owner(data),
+                data: Bytes::from_owner(data).into(),
             }
         };
         gst::trace!(

@@ -16,7 +16,7 @@ use crossbeam_channel::{
     Receiver, RecvTimeoutError, Select, SendTimeoutError, Sender, TrySendError,
 };
 
-use super::SourceFrame;
+use super::{FrameData, SourceFrame};
 use crate::error::{Error, Result, spawn};
 use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
@@ -417,7 +417,9 @@ fn filling_thread(
         }
     };
     // Copies one planned message into send blocks and hands them to the sending thread.
-    let fill = |msg: Option<Message>, device: u8, payload: &[u8], timestamp_ns: u64| -> bool {
+    // The payload is written in place (`FrameData::write` renders or copies each fragment
+    // straight into the block's payload area, after the header).
+    let fill = |msg: Option<Message>, device: u8, payload: &FrameData, timestamp_ns: u64| -> bool {
         let Some(msg) = msg else {
             tracing::error!(
                 device,
@@ -441,7 +443,7 @@ fn filling_thread(
             let Some(i) = take_free() else { return false };
             let range = fragment_range(k, payload.len(), block_size);
             let len = blocks.fill(i, |b| {
-                let used = h.write_header_and_payload(&payload[range], b);
+                let used = h.write_header_with(b, |dst| payload.write(range.start, dst));
                 h.seal(b);
                 used
             });
@@ -509,9 +511,10 @@ fn filling_thread(
                     pts_ns: f.pts_ns.unwrap_or(NO_PTS),
                 };
                 let plan = machine.frame(device, &f.format, f.index, f.data.len(), times);
-                plan.format
-                    .is_none_or(|m| fill(Some(m), device, f.format.as_bytes(), f.timestamp_ns))
-                    && fill(plan.frame, device, &f.data, f.timestamp_ns)
+                plan.format.is_none_or(|m| {
+                    let format = bytes::Bytes::copy_from_slice(f.format.as_bytes());
+                    fill(Some(m), device, &FrameData::Bytes(format), f.timestamp_ns)
+                }) && fill(plan.frame, device, &f.data, f.timestamp_ns)
             }
             Msg::End => {
                 queues.remove(pos);
@@ -521,7 +524,7 @@ fn filling_thread(
                 {
                     queues.push(waiting.remove(k));
                 }
-                fill(Some(end), device, &[], 0)
+                fill(Some(end), device, &FrameData::Bytes(bytes::Bytes::new()), 0)
             }
         };
         if !ok {
