@@ -348,7 +348,11 @@ mod tests {
                 timestamp_ns: 1_700_000_000_000_000_000 + frame,
                 message_len: len,
                 duration_ns: 40_000_000,
-                pts_ns: if frame % 2 == 0 { NO_PTS } else { frame * 1000 },
+                pts_ns: if frame.is_multiple_of(2) {
+                    NO_PTS
+                } else {
+                    frame * 1000
+                },
             },
             payload.to_vec(),
         )
