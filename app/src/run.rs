@@ -144,6 +144,7 @@ pub fn sender(
         block_size: cfg.block_size,
         max_outstanding: cfg.max_outstanding,
         first_packet: cfg.first_packet,
+        coalesce_wait: Duration::from_micros(cfg.coalesce_wait_us),
         ..Default::default()
     };
     tracing::info!(

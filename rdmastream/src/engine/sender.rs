@@ -13,6 +13,7 @@ use crossbeam_channel::{
 
 use super::SourceFrame;
 use crate::error::{Error, Result, spawn};
+use crate::proto::coalesce::{self, Batch, Coalescer};
 use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
     Added, Delivery, FillingMachine, Message, MessageKind, MessageTimes, NO_PTS, SenderMachine,
@@ -52,6 +53,9 @@ pub struct SenderOptions {
     /// First packet number of every device (0 normally; tests start near 65535 to see the
     /// numbers wrap).
     pub first_packet: u16,
+    /// How long a small lossy message may wait for others to share its block (layout version
+    /// 2, docs/protocol.md "Coalesced blocks"); zero turns coalescing off.
+    pub coalesce_wait: Duration,
 }
 
 impl Default for SenderOptions {
@@ -65,6 +69,7 @@ impl Default for SenderOptions {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             first_packet: 0,
+            coalesce_wait: Duration::ZERO,
         }
     }
 }
@@ -179,6 +184,9 @@ struct Filled {
 
 enum ToSending {
     Block(Filled),
+    /// The frames (device, payload bytes, capture time) of the coalesced block about to come
+    /// in this send block, for stats; sent just before its `Block`.
+    Frames(usize, Vec<(u8, usize, u64)>),
     /// Every device ended: finish what is queued, then close.
     Done,
 }
@@ -247,6 +255,7 @@ impl SenderHandle {
                 opts.first_packet,
                 drops.clone(),
             );
+            let coalesce_wait = opts.coalesce_wait;
             spawn("filling", move || {
                 filling_thread(
                     blocks,
@@ -256,6 +265,7 @@ impl SenderHandle {
                     abort,
                     first_packet,
                     drops,
+                    coalesce_wait,
                 )
             })?
         };
@@ -264,6 +274,7 @@ impl SenderHandle {
             let state = Sending {
                 machine: SenderMachine::new(opts.max_outstanding),
                 meta: vec![None; opts.send_blocks],
+                coalesced: vec![Vec::new(); opts.send_blocks],
                 free: free_tx,
                 counters: counters.clone(),
             };
@@ -377,6 +388,7 @@ impl Drop for SenderHandle {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn filling_thread(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
@@ -385,7 +397,9 @@ fn filling_thread(
     abort: Arc<AtomicBool>,
     first_packet: u16,
     drops: Arc<AtomicU64>,
+    coalesce_wait: Duration,
 ) {
+    let mut coalescer = Coalescer::new(blocks.block_size(), coalesce_wait);
     let block_size = blocks.block_size();
     let mut machine = FillingMachine::new(block_size, blocks.count(), first_packet);
     // The queues of streaming devices, and of devices waiting for their number's stream to end.
@@ -402,7 +416,12 @@ fn filling_thread(
         }
     };
     // Copies one planned message into send blocks and hands them to the sending thread.
-    let fill = |msg: Option<Message>, device: u8, payload: &[u8], timestamp_ns: u64| -> bool {
+    let fill = |coalescer: &mut Coalescer<Vec<u8>>,
+                msg: Option<Message>,
+                device: u8,
+                payload: &[u8],
+                timestamp_ns: u64|
+     -> bool {
         let Some(msg) = msg else {
             tracing::error!(
                 device,
@@ -422,6 +441,24 @@ fn filling_thread(
             );
         }
         let count = msg.headers.len();
+        if coalescer.enabled() {
+            // Small lossy messages wait for company; anything else goes after the held ones.
+            let (batches, taken) = match &msg.headers[..] {
+                [h] if coalesce::can_share(h) => (
+                    coalescer.handle_message(Instant::now(), *h, payload.to_vec()),
+                    true,
+                ),
+                _ => (coalescer.flush().into_iter().collect(), false),
+            };
+            for b in batches {
+                if !write_batch(&blocks, &take_free, &filled, b) {
+                    return false;
+                }
+            }
+            if taken {
+                return true;
+            }
+        }
         for (k, h) in msg.headers.into_iter().enumerate() {
             let Some(i) = take_free() else { return false };
             let range = fragment_range(k, payload.len(), block_size);
@@ -452,7 +489,18 @@ fn filling_thread(
         if abort.load(Ordering::Acquire) {
             return;
         }
+        // Held small messages whose wait is over go out.
+        if let Some(b) = coalescer.handle_timeout(Instant::now())
+            && !write_batch(&blocks, &take_free, &filled, b)
+        {
+            return;
+        }
         if !control_open && queues.is_empty() {
+            if let Some(b) = coalescer.flush()
+                && !write_batch(&blocks, &take_free, &filled, b)
+            {
+                return;
+            }
             let _ = filled.send(ToSending::Done);
             return;
         }
@@ -461,7 +509,12 @@ fn filling_thread(
         for (_, rx) in &queues {
             sel.recv(rx);
         }
-        let Ok(op) = sel.select_timeout(Duration::from_millis(50)) else {
+        let wait = coalescer
+            .poll_timeout()
+            .map_or(Duration::from_millis(50), |t| {
+                t.saturating_duration_since(Instant::now())
+            });
+        let Ok(op) = sel.select_timeout(wait) else {
             continue;
         };
         let index = op.index();
@@ -494,9 +547,15 @@ fn filling_thread(
                     pts_ns: f.pts_ns.unwrap_or(NO_PTS),
                 };
                 let plan = machine.frame(device, &f.format, f.index, f.data.len(), times);
-                plan.format
-                    .is_none_or(|m| fill(Some(m), device, f.format.as_bytes(), f.timestamp_ns))
-                    && fill(plan.frame, device, &f.data, f.timestamp_ns)
+                plan.format.is_none_or(|m| {
+                    fill(
+                        &mut coalescer,
+                        Some(m),
+                        device,
+                        f.format.as_bytes(),
+                        f.timestamp_ns,
+                    )
+                }) && fill(&mut coalescer, plan.frame, device, &f.data, f.timestamp_ns)
             }
             Msg::End => {
                 queues.remove(pos);
@@ -506,7 +565,7 @@ fn filling_thread(
                 {
                     queues.push(waiting.remove(k));
                 }
-                fill(Some(end), device, &[], 0)
+                fill(&mut coalescer, Some(end), device, &[], 0)
             }
         };
         if !ok {
@@ -515,9 +574,43 @@ fn filling_thread(
     }
 }
 
+/// Writes one batch of the coalescer into a free send block (a lone message as a version 1
+/// block, several as a coalesced one) and hands it to the sending thread. False once the sender
+/// stops.
+fn write_batch(
+    blocks: &SendBlocks,
+    take_free: &dyn Fn() -> Option<usize>,
+    filled: &Sender<ToSending>,
+    batch: Batch<Vec<u8>>,
+) -> bool {
+    let Some(i) = take_free() else { return false };
+    let len = blocks.fill(i, |b| coalesce::encode_batch(&batch, b));
+    // Only lossy, whole messages are ever held: no block here waits for a confirmation.
+    let frames: Vec<(u8, usize, u64)> = batch
+        .iter()
+        .filter(|(h, _)| !h.is_format() && !h.is_end_of_stream())
+        .map(|(h, p)| (h.device, p.len(), h.timestamp_ns))
+        .collect();
+    if !frames.is_empty() && filled.send(ToSending::Frames(i, frames)).is_err() {
+        return false;
+    }
+    filled
+        .send(ToSending::Block(Filled {
+            index: i,
+            len,
+            device: batch[0].0.device,
+            reliable: false,
+            last: true,
+            frame_end: None,
+        }))
+        .is_ok()
+}
+
 struct Sending {
     machine: SenderMachine,
     meta: Vec<Option<Filled>>,
+    /// Frames of the coalesced (or held and then sent alone) message in each send block.
+    coalesced: Vec<Vec<(u8, usize, u64)>>,
     free: Sender<usize>,
     counters: Arc<Registry<u8>>,
 }
@@ -534,6 +627,7 @@ impl Sending {
                 };
                 self.machine.handle_filled(f.index, f.len, delivery);
             }
+            ToSending::Frames(i, frames) => self.coalesced[i] = frames,
             ToSending::Done => *done = true,
         }
     }
@@ -546,6 +640,10 @@ impl Sending {
                 ..
             }) = self.meta[i].take()
             {
+                let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
+                self.counters.device(&device).frame(bytes, Some(latency));
+            }
+            for (device, bytes, ts) in std::mem::take(&mut self.coalesced[i]) {
                 let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
                 self.counters.device(&device).frame(bytes, Some(latency));
             }
@@ -596,7 +694,8 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                 .meta
                 .iter()
                 .filter(|m| m.is_some_and(|f| f.frame_end.is_some()))
-                .count() as u64;
+                .count() as u64
+                + s.coalesced.iter().map(|f| f.len() as u64).sum::<u64>();
             break;
         }
         while let Ok(ev) = t.filled.try_recv() {
