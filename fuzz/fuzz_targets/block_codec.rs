@@ -5,7 +5,9 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use rdmastream::proto::BlockHeader;
-use rdmastream::proto::coalesce::{decode_any, decode_coalesced, encode_coalesced};
+use rdmastream::proto::coalesce::{
+    decode_any, decode_coalesced, encode_coalesced, reseal_coalesced,
+};
 
 fuzz_target!(|data: &[u8]| {
     let max_device = data.first().copied().unwrap_or(0);
@@ -26,10 +28,14 @@ fuzz_target!(|data: &[u8]| {
             assert!(h.device <= max_device);
         }
     }
-    if let Ok(msgs) = decode_coalesced(data, max_device) {
-        let parts: Vec<_> = msgs.iter().map(|(h, r)| (*h, &data[r.clone()])).collect();
-        let mut block = vec![0; data.len()];
+    // Sealed, so the checks behind the seal see every byte the fuzzer chose.
+    let mut sealed = data.to_vec();
+    if reseal_coalesced(&mut sealed).is_ok()
+        && let Ok(msgs) = decode_coalesced(&sealed, max_device)
+    {
+        let parts: Vec<_> = msgs.iter().map(|(h, r)| (*h, &sealed[r.clone()])).collect();
+        let mut block = vec![0; sealed.len()];
         let used = encode_coalesced(&parts, &mut block);
-        assert_eq!(&block[..used], &data[..used], "re-encoding changes the block");
+        assert_eq!(&block[..used], &sealed[..used], "re-encoding changes the block");
     }
 });

@@ -140,6 +140,23 @@ pub fn coalesced_body_len(block: &[u8]) -> Result<usize, BlockError> {
     Ok(body)
 }
 
+/// Writes the trailer (the seal) of a coalesced block whose header is already in `block`, over
+/// whatever body it has. For tests and fuzzing: it lets a mutated block reach the checks behind
+/// the seal. Fails as [`coalesced_body_len`] does when the header's fields are out of bounds.
+pub fn reseal_coalesced(block: &mut [u8]) -> Result<(), BlockError> {
+    let body = coalesced_body_len(block)?;
+    let end = COALESCED_HEADER_LEN + body;
+    let (first, packet) = (block[0], [block[1], block[2]]);
+    let crc = crc32c::crc32c(&block[..end]);
+    let t = &mut block[end..end + TRAILER_LEN];
+    t[0..4].copy_from_slice(&(body as u32).to_le_bytes());
+    t[4..6].copy_from_slice(&packet);
+    t[6] = first;
+    t[7] = TRAILER_MAGIC;
+    t[8..12].copy_from_slice(&crc.to_le_bytes());
+    Ok(())
+}
+
 /// Decodes and checks a coalesced block, treating every byte as hostile: header fields, body
 /// length within the block, the seal (trailer repeats body length, first packet and device;
 /// CRC32C over header and body), then every sub-header: in bounds, known flags (never
@@ -450,19 +467,7 @@ mod tests {
 
     /// Re-seals a block after a mutation, so the structural checks behind the seal are reached.
     fn reseal(b: &mut [u8]) {
-        let body = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
-        let end = COALESCED_HEADER_LEN + body;
-        if end + TRAILER_LEN > b.len() {
-            return;
-        }
-        let (first, packet) = (b[0], [b[1], b[2]]);
-        let crc = crc32c::crc32c(&b[..end]);
-        let t = &mut b[end..end + TRAILER_LEN];
-        t[0..4].copy_from_slice(&(body as u32).to_le_bytes());
-        t[4..6].copy_from_slice(&packet);
-        t[6] = first;
-        t[7] = TRAILER_MAGIC;
-        t[8..12].copy_from_slice(&crc.to_le_bytes());
+        let _ = reseal_coalesced(b);
     }
 
     #[test]
