@@ -214,7 +214,7 @@ pub struct SenderHandle {
     control: Option<Sender<Control>>,
     counters: Arc<Registry<u8>>,
     abort: Arc<AtomicBool>,
-    filling: Option<JoinHandle<()>>,
+    filling: Option<JoinHandle<u64>>,
     sending: Option<JoinHandle<Result<SenderReport>>>,
     queue_depth: usize,
     live: Arc<parking_lot::Mutex<SenderStats>>,
@@ -361,9 +361,8 @@ impl SenderHandle {
         let mut report = sending
             .join()
             .unwrap_or_else(|p| Err(Error::panicked("sending", p)));
-        if let Some(f) = self.filling.take() {
-            let _ = f.join();
-        }
+        // Frames the filling thread held to share a block and could not send.
+        let held = self.filling.take().map_or(0, |f| f.join().unwrap_or(0));
         let queued: u64 = self
             .queues
             .lock()
@@ -371,7 +370,7 @@ impl SenderHandle {
             .map(|q| q.try_iter().filter(|m| matches!(m, Msg::Frame(_))).count() as u64)
             .sum();
         if let Ok(r) = &mut report {
-            r.undelivered_frames += queued;
+            r.undelivered_frames += queued + held;
         }
         report
     }
@@ -388,6 +387,9 @@ impl Drop for SenderHandle {
     }
 }
 
+/// The filling thread. Returns the frames it took from the queues but never handed to the
+/// sending thread (held to share a block, or in a coalesced block without a send block, when
+/// the sender stopped).
 #[allow(clippy::too_many_arguments)]
 fn filling_thread(
     blocks: Arc<SendBlocks>,
@@ -398,8 +400,36 @@ fn filling_thread(
     first_packet: u16,
     drops: Arc<AtomicU64>,
     coalesce_wait: Duration,
-) {
+) -> u64 {
     let mut coalescer = Coalescer::new(blocks.block_size(), coalesce_wait);
+    let lost = std::cell::Cell::new(0);
+    filling_loop(
+        blocks,
+        control,
+        free,
+        filled,
+        abort,
+        first_packet,
+        drops,
+        &mut coalescer,
+        &lost,
+    );
+    let held = coalescer.flush().unwrap_or_default();
+    lost.get() + frames_in(&held).len() as u64
+}
+
+#[allow(clippy::too_many_arguments)]
+fn filling_loop(
+    blocks: Arc<SendBlocks>,
+    control: Receiver<Control>,
+    free: Receiver<usize>,
+    filled: Sender<ToSending>,
+    abort: Arc<AtomicBool>,
+    first_packet: u16,
+    drops: Arc<AtomicU64>,
+    coalescer: &mut Coalescer<Vec<u8>>,
+    lost: &std::cell::Cell<u64>,
+) {
     let block_size = blocks.block_size();
     let mut machine = FillingMachine::new(block_size, blocks.count(), first_packet);
     // The queues of streaming devices, and of devices waiting for their number's stream to end.
@@ -451,7 +481,7 @@ fn filling_thread(
                 _ => (coalescer.flush().into_iter().collect(), false),
             };
             for b in batches {
-                if !write_batch(&blocks, &take_free, &filled, b) {
+                if !write_batch(&blocks, &take_free, &filled, b, lost) {
                     return false;
                 }
             }
@@ -491,13 +521,13 @@ fn filling_thread(
         }
         // Held small messages whose wait is over go out.
         if let Some(b) = coalescer.handle_timeout(Instant::now())
-            && !write_batch(&blocks, &take_free, &filled, b)
+            && !write_batch(&blocks, &take_free, &filled, b, lost)
         {
             return;
         }
         if !control_open && queues.is_empty() {
             if let Some(b) = coalescer.flush()
-                && !write_batch(&blocks, &take_free, &filled, b)
+                && !write_batch(&blocks, &take_free, &filled, b, lost)
             {
                 return;
             }
@@ -549,13 +579,13 @@ fn filling_thread(
                 let plan = machine.frame(device, &f.format, f.index, f.data.len(), times);
                 plan.format.is_none_or(|m| {
                     fill(
-                        &mut coalescer,
+                        coalescer,
                         Some(m),
                         device,
                         f.format.as_bytes(),
                         f.timestamp_ns,
                     )
-                }) && fill(&mut coalescer, plan.frame, device, &f.data, f.timestamp_ns)
+                }) && fill(coalescer, plan.frame, device, &f.data, f.timestamp_ns)
             }
             Msg::End => {
                 queues.remove(pos);
@@ -565,7 +595,7 @@ fn filling_thread(
                 {
                     queues.push(waiting.remove(k));
                 }
-                fill(&mut coalescer, Some(end), device, &[], 0)
+                fill(coalescer, Some(end), device, &[], 0)
             }
         };
         if !ok {
@@ -582,15 +612,15 @@ fn write_batch(
     take_free: &dyn Fn() -> Option<usize>,
     filled: &Sender<ToSending>,
     batch: Batch<Vec<u8>>,
+    lost: &std::cell::Cell<u64>,
 ) -> bool {
-    let Some(i) = take_free() else { return false };
+    let frames = frames_in(&batch);
+    let Some(i) = take_free() else {
+        lost.set(lost.get() + frames.len() as u64);
+        return false;
+    };
     let len = blocks.fill(i, |b| coalesce::encode_batch(&batch, b));
     // Only lossy, whole messages are ever held: no block here waits for a confirmation.
-    let frames: Vec<(u8, usize, u64)> = batch
-        .iter()
-        .filter(|(h, _)| !h.is_format() && !h.is_end_of_stream())
-        .map(|(h, p)| (h.device, p.len(), h.timestamp_ns))
-        .collect();
     if !frames.is_empty() && filled.send(ToSending::Frames(i, frames)).is_err() {
         return false;
     }
@@ -604,6 +634,15 @@ fn write_batch(
             frame_end: None,
         }))
         .is_ok()
+}
+
+/// The frames (device, payload bytes, capture time) among a batch's messages.
+fn frames_in(batch: &[(crate::proto::BlockHeader, Vec<u8>)]) -> Vec<(u8, usize, u64)> {
+    batch
+        .iter()
+        .filter(|(h, _)| !h.is_format() && !h.is_end_of_stream())
+        .map(|(h, p)| (h.device, p.len(), h.timestamp_ns))
+        .collect()
 }
 
 struct Sending {
