@@ -936,9 +936,28 @@ fn a_receivers_notice_reaches_the_sender_and_ends_nothing() {
 /// beside a lossless camera whose frames span several blocks: every frame arrives verified and
 /// in order, and fewer blocks than messages were taken.
 #[test]
-fn coalesced_small_messages_arrive_verified_beside_fragmented_frames() {
+fn coalesced_small_messages_arrive_verified_beside_fragmented_frames_over_mem() {
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(8, 4096, vec![]));
+    run_coalesced(Box::new(listener), Box::new(fabric.connector("rx")));
+}
+
+#[test]
+fn coalesced_small_messages_arrive_verified_over_tcp_and_shm() {
+    let listener = tcp::listen("127.0.0.1:0", settings(8, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    run_coalesced(Box::new(listener), Box::new(TcpConnector::new(addr)));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    run_coalesced(
+        Box::new(listener),
+        Box::new(rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap()),
+    );
+}
+
+fn run_coalesced(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
     let dir = tempfile::tempdir().unwrap();
     let sink = Arc::new(
         DirectorySink::new(DirectorySinkOptions {
@@ -952,8 +971,7 @@ fn coalesced_small_messages_arrive_verified_beside_fragmented_frames() {
         })
         .unwrap(),
     );
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink).unwrap();
+    let receiver = ReceiverHandle::start(ReceiverOptions::default(), listener, sink).unwrap();
     let opts = SenderOptions {
         name: "edge-c".into(),
         key: Some(key()),
@@ -962,7 +980,7 @@ fn coalesced_small_messages_arrive_verified_beside_fragmented_frames() {
         coalesce_wait: Duration::from_micros(300),
         ..Default::default()
     };
-    let sender = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 10_000).unwrap();
+    let sender = SenderHandle::start(opts, connector, 10_000).unwrap();
     let frames = 300u64;
     let stop = Arc::new(AtomicBool::new(false));
     let mut threads = Vec::new();
