@@ -1111,3 +1111,106 @@ fn frames_written_in_place_and_copied_arrive_bit_exact_including_fragmented_ones
         assert_eq!(calls, want, "{len}-byte frame");
     }
 }
+
+/// Small messages of live devices share blocks (layout version 2) through the real threads,
+/// beside a lossless camera whose frames span several blocks: every frame arrives verified and
+/// in order, and fewer blocks than messages were taken.
+#[test]
+fn coalesced_small_messages_arrive_verified_beside_fragmented_frames_over_mem() {
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(8, 4096, vec![]));
+    run_coalesced(Box::new(listener), Box::new(fabric.connector("rx")));
+}
+
+#[test]
+fn coalesced_small_messages_arrive_verified_over_tcp_and_shm() {
+    let listener = tcp::listen("127.0.0.1:0", settings(8, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    run_coalesced(Box::new(listener), Box::new(TcpConnector::new(addr)));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    run_coalesced(
+        Box::new(listener),
+        Box::new(rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap()),
+    );
+}
+
+fn run_coalesced(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = Arc::new(
+        DirectorySink::new(DirectorySinkOptions {
+            out: dir.path().to_path_buf(),
+            default: Default::default(),
+            devices: Default::default(),
+            verify: true,
+            writers: 2,
+            queue: 64,
+            disk_budget: None,
+        })
+        .unwrap(),
+    );
+    let receiver = ReceiverHandle::start(ReceiverOptions::default(), listener, sink).unwrap();
+    let opts = SenderOptions {
+        name: "edge-c".into(),
+        key: Some(key()),
+        send_blocks: 6,
+        block_size: 4096,
+        coalesce_wait: Duration::from_micros(300),
+        ..Default::default()
+    };
+    let sender = SenderHandle::start(opts, connector, 10_000).unwrap();
+    let frames = 300u64;
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut threads = Vec::new();
+    let radar = |size| SourceKind::RadarSynthetic { size, rate: 2000.0 };
+    let camera = SourceKind::CameraSynthetic {
+        width: 64,
+        height: 48,
+        fps: 500.0,
+    };
+    for (device, kind, policy) in [
+        (1u8, radar(64), DropPolicy::DropOldest),
+        (2, radar(200), DropPolicy::DropOldest),
+        (3, radar(1000), DropPolicy::DropOldest),
+        (9, camera, DropPolicy::Block),
+    ] {
+        let input = sender.add_device(device, policy);
+        let producer = Producer::new(device, &kind).unwrap();
+        let stop = stop.clone();
+        threads.push(std::thread::spawn(move || {
+            producer.run(&stop, Some(frames), |f| input.push(f));
+            input.end();
+        }));
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    let report = sender.finish(Duration::from_secs(20)).unwrap();
+    assert_eq!(report.unsent, 0);
+    assert!(
+        wait_until(Duration::from_secs(20), || receiver.all_senders_ended()),
+        "receiver never saw every stream end"
+    );
+    let counters = receiver.counters().all();
+    let reorder = receiver.reorder_stats();
+    let invalid = receiver.invalid().total();
+    let blocks = receiver.blocks();
+    receiver.stop();
+    assert_eq!(invalid, 0);
+    assert_eq!(counters.len(), 4);
+    for (key, c) in counters {
+        assert_eq!(get(&c.frames), frames, "{key}");
+        assert_eq!(get(&c.verified), frames, "{key}");
+        assert_eq!(get(&c.mismatched), 0, "{key}");
+    }
+    for (key, r) in reorder {
+        assert_eq!(r.gap_packets + r.duplicates, 0, "{key}: {r:?}");
+    }
+    // Three radars' frames (and formats, ends) alone would take at least this many blocks,
+    // besides the camera's three per frame.
+    let alone = 3 * (frames + 2) + 3 * frames + 2;
+    eprintln!("{blocks} blocks taken; without coalescing at least {alone}");
+    assert!(blocks < alone, "{blocks} blocks: nothing was coalesced");
+}

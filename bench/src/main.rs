@@ -3,7 +3,9 @@
 //! - `throughput`: block sizes 64 B … 8 MiB through the whole engine (filling thread, sending
 //!   thread, transport, receiver polling) over `mem`, `tcp` and `shm` (a Unix socket and shared
 //!   memory), next to a plain TCP loopback copy of the same bytes in the same run; prints MB/s and
-//!   the tcp/plain and shm/plain ratios.
+//!   the tcp/plain and shm/plain ratios; then `small`.
+//! - `small`: 64 B … 1 KiB messages of a live device through the whole engine with coalescing
+//!   off and on, over tcp and shm, next to a plain TCP copy of the same message size (messages/s).
 //! - `cameras` (`cameras-shm`): the demo scenario (12 × 640×480 RGB at 25 fps + 2 radars) with
 //!   the real `sender` and `receiver` processes over `tcp` (over `shm`): CPU % per process and per
 //!   thread group (the sender's filling + sending threads, its sources, the receiver's NIC
@@ -58,7 +60,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|small|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
@@ -144,7 +146,11 @@ fn main() {
     let what = args.first().map(String::as_str).unwrap_or("all");
     let seconds = opt("--seconds", 1.0);
     match what {
-        "throughput" => throughput(seconds),
+        "throughput" => {
+            throughput(seconds);
+            small_messages(seconds);
+        }
+        "small" => small_messages(seconds),
         "verbs" => verbs(seconds),
         "frame-cpu" => frame_cpu(),
         "frame-instr" => frame_instr(opt("--rounds", 5.0) as usize),
@@ -199,6 +205,34 @@ fn engine_rate(
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
+    let lossless = Small {
+        len: payload_capacity(block),
+        reliable: true,
+        coalesce_wait: Duration::ZERO,
+    };
+    engine_messages(block, lossless, secs, listener, connector) * block as f64
+}
+
+/// What the source of [`engine_messages`] pushes.
+#[derive(Clone, Copy)]
+struct Small {
+    /// Payload bytes per message.
+    len: usize,
+    /// Lossless (acknowledged) messages; otherwise live ones, which may be coalesced.
+    reliable: bool,
+    coalesce_wait: Duration,
+}
+
+/// Pushes messages of `m.len` bytes into one device as fast as the engine takes them (the
+/// source waits when its queue is full, so nothing is dropped), for `secs`; returns messages
+/// per second delivered.
+fn engine_messages(
+    block: usize,
+    m: Small,
+    secs: f64,
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+) -> f64 {
     let sink = Arc::new(CountingSink::default());
     let receiver = ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone())
         .expect("receiver");
@@ -207,11 +241,13 @@ fn engine_rate(
         send_blocks: 8,
         block_size: block,
         max_outstanding: 8,
+        coalesce_wait: m.coalesce_wait,
         ..Default::default()
     };
-    let sender = SenderHandle::start(opts, connector, 8).expect("sender");
-    let input = sender.add_device(0, DropPolicy::Block);
-    let len = payload_capacity(block);
+    let queue = if m.reliable { 8 } else { 1024 };
+    let sender = SenderHandle::start(opts, connector, queue).expect("sender");
+    let input = sender.add_device_with(0, DropPolicy::Block, m.reliable);
+    let len = m.len;
     let format: Arc<str> = "application/octet-stream".into();
     let stop = Arc::new(AtomicBool::new(false));
     let source = {
@@ -249,7 +285,84 @@ fn engine_rate(
     source.join().unwrap();
     let _ = sender.finish(Duration::from_secs(10));
     receiver.stop();
-    (f1 - f0) as f64 * block as f64 / (t1 - t0).as_secs_f64()
+    (f1 - f0) as f64 / (t1 - t0).as_secs_f64()
+}
+
+/// Small messages (64 B … 1 KiB) of a live device: messages per second through the whole
+/// engine with coalescing off and on (64 KiB blocks), over tcp and shm, next to a plain TCP
+/// loopback copy of the same message size, side by side in one run.
+fn small_messages(secs: f64) {
+    const BLOCK: usize = 64 << 10;
+    let wait = Duration::from_micros(100);
+    println!(
+        "== small messages, {secs:.1} s per point, one run; thousands of messages/s (block {} KiB, coalesce_wait {} us) ==",
+        BLOCK >> 10,
+        wait.as_micros()
+    );
+    println!(
+        "{:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "msg",
+        "tcp off",
+        "tcp on",
+        "shm off",
+        "shm on",
+        "plain TCP",
+        "off/pl",
+        "on/pl",
+        "shm on/pl",
+        "on/off"
+    );
+    let socket_dir =
+        std::env::temp_dir().join(format!("rdmastream-bench-small-{}", std::process::id()));
+    std::fs::create_dir_all(&socket_dir).expect("a directory for the shm sockets");
+    let socket = socket_dir.join("rx.sock");
+    for len in [64usize, 128, 256, 512, 1024] {
+        let over_tcp = |coalesce_wait| {
+            let l = tcp::listen("127.0.0.1:0", region(BLOCK)).unwrap();
+            let addr = l.local_addr();
+            let m = Small {
+                len,
+                reliable: false,
+                coalesce_wait,
+            };
+            engine_messages(
+                BLOCK,
+                m,
+                secs,
+                Box::new(l),
+                Box::new(TcpConnector::new(addr)),
+            )
+        };
+        let over_shm = |coalesce_wait| {
+            let l = shm::listen(&socket, region(BLOCK)).unwrap();
+            let c = ShmConnector::new(&format!("unix:{}", socket.display())).expect("unix:");
+            let m = Small {
+                len,
+                reliable: false,
+                coalesce_wait,
+            };
+            engine_messages(BLOCK, m, secs, Box::new(l), Box::new(c))
+        };
+        let off = over_tcp(Duration::ZERO);
+        let on = over_tcp(wait);
+        let shm_off = over_shm(Duration::ZERO);
+        let shm_on = over_shm(wait);
+        let plain = plain_tcp_rate(len, secs) / len as f64;
+        println!(
+            "{:>6} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10.1} {:>8.0}% {:>8.0}% {:>8.0}% {:>8.1}x",
+            human(len),
+            off / 1e3,
+            on / 1e3,
+            shm_off / 1e3,
+            shm_on / 1e3,
+            plain / 1e3,
+            100.0 * off / plain,
+            100.0 * on / plain,
+            100.0 * shm_on / plain,
+            on / off
+        );
+    }
+    let _ = std::fs::remove_dir_all(&socket_dir);
 }
 
 /// The transport alone: the sending-thread loop ([`SenderMachine`] + one [`Connection`]) posting

@@ -91,6 +91,9 @@ pub enum BlockError {
     DeviceOutOfRange,
     /// Trailer does not repeat the header or its CRC32C does not match: a torn or stale block.
     BadSeal,
+    /// A coalesced block (layout version 2) whose messages do not add up: count, lengths, a
+    /// device's packets out of order, or a header that does not name its first message.
+    BadCoalesced,
     /// Valid, but its payload had to be copied and the receiver's memory budget had no room.
     OverBudget,
 }
@@ -107,6 +110,7 @@ impl BlockError {
             BlockError::BadFragment => "bad-fragment",
             BlockError::DeviceOutOfRange => "device-out-of-range",
             BlockError::BadSeal => "bad-seal",
+            BlockError::BadCoalesced => "bad-coalesced",
             BlockError::OverBudget => "over-memory-budget",
         }
     }

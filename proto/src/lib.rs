@@ -13,6 +13,7 @@
 
 pub mod ack;
 pub mod budget;
+pub mod coalesce;
 pub mod filling;
 pub mod format;
 pub mod handshake;
@@ -25,6 +26,7 @@ pub mod window;
 
 pub use ack::Ack;
 pub use budget::{Budget, Reservation};
+pub use coalesce::{Batch, Coalescer, SubMessage, decode_any};
 pub use filling::{Added, FillingMachine, FramePlan, Message};
 pub use format::Format;
 pub use header::{

@@ -36,10 +36,12 @@ use parking_lot::Mutex;
 use crate::engine::Driver;
 use crate::error::Result;
 use crate::proto::ack::{Ack, Settle};
+use crate::proto::coalesce;
 use crate::proto::window::{Immediate, ReceiverAction, WindowAction, WindowReceiver, WindowSender};
 use crate::proto::{
-    Added, BlockHeader, Budget, Delivery, FillingMachine, Limits, Message, MessageTimes, Packet,
-    RemoteLayout, ReorderConfig, SenderMachine, SenderSession, StreamEvent, fragment_range, status,
+    Added, Batch, BlockHeader, Budget, Coalescer, Delivery, FillingMachine, Limits, Message,
+    MessageTimes, Packet, RemoteLayout, ReorderConfig, SenderMachine, SenderSession, StreamEvent,
+    fragment_range, status,
 };
 use crate::transport::{
     Completion, Connection, RemoteAddr, SendBlocks, Target, WriteSource, WriteWr,
@@ -138,6 +140,9 @@ pub struct SimConfig {
     /// Write chains (numbered from 0 in posting order) whose data arrives corrupted.
     pub corrupt_writes: Vec<u64>,
     pub reorder: ReorderConfig,
+    /// The sender's `coalesce_wait_us`: how long a small lossy message may wait to share a
+    /// block with others (zero: coalescing off).
+    pub coalesce_wait: Duration,
 }
 
 impl Default for SimConfig {
@@ -163,6 +168,7 @@ impl Default for SimConfig {
             disconnects: Vec::new(),
             corrupt_writes: Vec::new(),
             reorder: ReorderConfig::default(),
+            coalesce_wait: Duration::ZERO,
         }
     }
 }
@@ -186,6 +192,9 @@ pub struct SimReport {
     pub reordered: u64,
     /// Blocks the receiver rejected as invalid (and freed).
     pub invalid: u64,
+    /// Valid coalesced blocks (layout version 2) the receiver took, and the messages in them.
+    pub coalesced_blocks: u64,
+    pub coalesced_messages: u64,
     /// Frames the stream handed on again after a reconnect, recognised by index and not
     /// written twice.
     pub redelivered: u64,
@@ -244,6 +253,22 @@ enum Ev {
     Disconnect,
     /// Wakes the sender for its sync backoff timer.
     Wake,
+    /// Wakes the filling side when held small messages must go out.
+    CoalesceWake,
+}
+
+/// One block's worth of a message on its way through the [`Coalescer`]: its payload and how the
+/// sender must treat its block.
+#[derive(Debug, Clone)]
+struct SimPart {
+    data: Vec<u8>,
+    delivery: Delivery,
+}
+
+impl AsRef<[u8]> for SimPart {
+    fn as_ref(&self) -> &[u8] {
+        &self.data
+    }
 }
 
 struct Rng(u64);
@@ -395,6 +420,10 @@ pub struct Pair {
     waiting: Vec<usize>,
     /// Messages planned and not yet in send blocks: message, payload, next fragment.
     pending: VecDeque<(Message, Vec<u8>, usize)>,
+    /// Small messages held to share a block, and blocks' worth of messages ready to fill.
+    coalescer: Coalescer<SimPart>,
+    ready: VecDeque<Batch<SimPart>>,
+    coalesce_wake_at: Option<Duration>,
     rr_source: usize,
     wake_at: Option<Duration>,
     ended_sources: usize,
@@ -463,6 +492,9 @@ impl Pair {
             streaming: BTreeMap::new(),
             waiting: Vec::new(),
             pending: VecDeque::new(),
+            coalescer: Coalescer::new(cfg.block_size, cfg.coalesce_wait),
+            ready: VecDeque::new(),
+            coalesce_wake_at: None,
             rr_source: 0,
             wake_at: None,
             ended_sources: 0,
@@ -658,6 +690,7 @@ impl Pair {
                 }
             }
             Ev::Wake => self.wake_at = None,
+            Ev::CoalesceWake => self.coalesce_wake_at = None,
             Ev::Poll => self.poll(),
             Ev::Processed { block, region } if self.window.is_some() => {
                 self.busy = false;
@@ -806,6 +839,28 @@ impl Pair {
     /// sender's session. Returns whether the block stays unavailable until its message is
     /// handed on (the last block of a lossless message carries an [`Ack`]).
     fn deliver(&mut self, region: u64, block: usize, bytes: &[u8]) -> bool {
+        if crate::proto::coalesce::block_version(bytes)
+            == Some(crate::proto::coalesce::COALESCED_VERSION)
+        {
+            // Several lossy messages: each goes to the session as if it had come alone.
+            let Ok(msgs) = crate::proto::coalesce::decode_coalesced(bytes, 255) else {
+                self.report.invalid += 1;
+                return false;
+            };
+            self.report.coalesced_blocks += 1;
+            self.report.coalesced_messages += msgs.len() as u64;
+            for (header, range) in msgs {
+                let packet = Packet {
+                    header,
+                    payload: bytes::Bytes::copy_from_slice(&bytes[range]),
+                    ack: None,
+                };
+                let r = self.session.handle_packet(self.at(self.now), packet);
+                self.record(r.device, r.events);
+            }
+            self.schedule_reorder_timeout();
+            return false;
+        }
         let Ok((h, p)) = BlockHeader::decode_block(bytes, 255) else {
             self.report.invalid += 1;
             return false;
@@ -942,33 +997,60 @@ impl Pair {
     /// devices) and fills free send blocks with them.
     fn fill(&mut self) {
         loop {
-            if self.pending.is_empty() && !self.plan_next() {
-                return;
+            let now = self.at(self.now);
+            if let Some(batch) = self.coalescer.handle_timeout(now) {
+                self.ready.push_back(batch);
+            }
+            if self.ready.is_empty() {
+                // Hand the next block of the next planned message to the coalescer.
+                if self.pending.is_empty() && !self.plan_next() {
+                    if let Some(t) = self.coalescer.poll_timeout() {
+                        let due = t.saturating_duration_since(self.t0);
+                        if self.coalesce_wake_at != Some(due) {
+                            self.coalesce_wake_at = Some(due);
+                            self.push(due, Ev::CoalesceWake);
+                        }
+                    }
+                    return;
+                }
+                let (msg, data, k) = self.pending.front_mut().expect("not empty");
+                let h = msg.headers[*k];
+                let range = fragment_range(*k, data.len(), self.cfg.block_size);
+                *k += 1;
+                let done = *k == msg.headers.len();
+                let delivery = if msg.reliable {
+                    Delivery::Confirmed { last: done }
+                } else {
+                    Delivery::Unconfirmed
+                };
+                let part = SimPart {
+                    data: data[range].to_vec(),
+                    delivery,
+                };
+                if done {
+                    self.pending.pop_front();
+                }
+                let batches = self.coalescer.handle_message(now, h, part);
+                self.ready.extend(batches);
+                continue;
             }
             let Some(b) = self.free.front().copied() else {
                 return;
             };
-            let (msg, data, k) = self.pending.front_mut().expect("not empty");
-            let h = msg.headers[*k];
-            let range = fragment_range(*k, data.len(), self.cfg.block_size);
+            let batch = self.ready.pop_front().expect("not empty");
             let used = self
                 .conn
                 .blocks
-                .fill(b, |block| h.encode_block(&data[range], block));
-            *k += 1;
-            let done = *k == msg.headers.len();
+                .fill(b, |block| coalesce::encode_batch(&batch, block));
             self.free.pop_front();
-            let delivery = if msg.reliable {
-                Delivery::Confirmed { last: done }
-            } else {
-                Delivery::Unconfirmed
+            // Only lossy messages share a block; a lone message keeps its own delivery.
+            let delivery = match &batch[..] {
+                [(_, part)] => part.delivery,
+                _ => Delivery::Unconfirmed,
             };
             match self.window.as_mut() {
                 Some(w) => w.sender.handle_filled(b, used, delivery),
                 None => self.machine.handle_filled(b, used, delivery),
-            }
-            if done {
-                self.pending.pop_front();
             }
         }
     }
@@ -1084,7 +1166,7 @@ impl Pair {
                 self.push(due, Ev::Wake);
             }
         }
-        freed && !self.pending.is_empty()
+        freed && !(self.pending.is_empty() && self.ready.is_empty())
     }
 }
 

@@ -507,3 +507,137 @@ fn a_pair_steps_one_event_at_a_time_and_stops_when_done() {
     assert_eq!(pair.report().delivered.len(), 3);
     assert_eq!(pair.report().ended, vec![0]);
 }
+
+/// Small lossy messages of several devices, produced together, with coalescing on.
+fn coalescing(devices: Vec<SimDevice>, wait_us: u64) -> SimConfig {
+    SimConfig {
+        remote_blocks: 6,
+        send_blocks: 4,
+        policy: SimPolicy::DropOldest,
+        queue_depth: 100_000,
+        coalesce_wait: Duration::from_micros(wait_us),
+        devices,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn coalesced_small_messages_of_mixed_devices_wrap_packet_numbers_in_order() {
+    let cfg = SimConfig {
+        first_packet: 65400,
+        ..coalescing(
+            vec![dev(0, 20, 400, 3), dev(7, 33, 400, 3), dev(200, 1, 400, 4)],
+            50,
+        )
+    };
+    let r = run(&cfg, LIMIT);
+    assert_complete(&cfg, &r);
+    assert_eq!(r.dropped, 0);
+    assert!(
+        r.coalesced_blocks > 50 && r.coalesced_messages > 2 * r.coalesced_blocks,
+        "{} coalesced blocks with {} messages",
+        r.coalesced_blocks,
+        r.coalesced_messages
+    );
+    assert_eq!(r.invalid, 0);
+}
+
+#[test]
+fn coalesced_blocks_next_to_fragmented_frames_with_random_receiver_order() {
+    let cfg = SimConfig {
+        remote_blocks: 8,
+        random_order: true,
+        seed: 11,
+        first_packet: 65500,
+        ..coalescing(
+            vec![
+                dev(0, 10, 300, 5),
+                dev(1, 700, 100, 15), // 3 blocks per frame
+                dev(2, 40, 300, 5),
+                dev(3, 190, 150, 10), // one whole block: too large to share
+            ],
+            30,
+        )
+    };
+    let r = run(&cfg, LIMIT);
+    assert_complete(&cfg, &r);
+    assert_eq!(r.dropped, 0);
+    assert!(r.coalesced_blocks > 20, "{} coalesced", r.coalesced_blocks);
+    assert!(
+        r.reordered > 0,
+        "random order should have needed reordering"
+    );
+}
+
+#[test]
+fn the_same_frames_arrive_bit_exact_and_in_order_with_coalescing_on_and_off() {
+    let devices = vec![dev(0, 16, 300, 4), dev(1, 500, 100, 12), dev(2, 64, 300, 4)];
+    let off = run(&coalescing(devices.clone(), 0), LIMIT);
+    let on_cfg = coalescing(devices.clone(), 100);
+    let on = run(&on_cfg, LIMIT);
+    assert_complete(&on_cfg, &on);
+    assert_eq!(off.coalesced_blocks, 0);
+    assert!(on.coalesced_blocks > 0);
+    for d in &devices {
+        let of = |r: &SimReport| -> Vec<(u64, Vec<u8>)> {
+            r.delivered
+                .iter()
+                .filter(|(id, _, _)| *id == d.id)
+                .map(|(_, f, data)| (*f, data.clone()))
+                .collect()
+        };
+        assert_eq!(of(&off), of(&on), "device {} differs", d.id);
+    }
+}
+
+#[test]
+fn a_corrupted_coalesced_block_is_rejected_whole_and_its_packets_given_up() {
+    let timeout = Duration::from_millis(5);
+    let cfg = SimConfig {
+        // A write well after the formats, while both devices produce together.
+        corrupt_writes: vec![30],
+        reorder: rdmastream::proto::ReorderConfig {
+            window: 256,
+            timeout,
+        },
+        ..coalescing(vec![dev(0, 20, 300, 3), dev(1, 20, 300, 3)], 40)
+    };
+    let r = run(&cfg, LIMIT);
+    assert_eq!(r.invalid, 1, "exactly the corrupted block is rejected");
+    assert!(r.coalesced_blocks > 20);
+    let mut missing = 0;
+    for d in &cfg.devices {
+        let got: Vec<_> = r
+            .delivered
+            .iter()
+            .filter(|(id, _, _)| *id == d.id)
+            .collect();
+        let indices: Vec<u64> = got.iter().map(|(_, f, _)| *f).collect();
+        assert!(
+            indices.windows(2).all(|w| w[0] < w[1]),
+            "device {} out of order",
+            d.id
+        );
+        for (_, f, data) in got {
+            assert_eq!(data, &payload(d.id, *f, d.frame_len));
+        }
+        missing += d.frames - indices.len() as u64;
+        assert!(r.ended.contains(&d.id));
+    }
+    // None of the rejected block's messages was used: each is a gap, and there were several.
+    assert!(missing >= 2, "the corrupted block carried {missing} frames");
+    assert_eq!(r.gap_packets, missing);
+    assert_eq!(r.dropped, 0);
+}
+
+#[test]
+fn lossless_messages_never_share_a_block() {
+    let cfg = SimConfig {
+        policy: SimPolicy::Block,
+        queue_depth: 4,
+        ..coalescing(vec![dev(0, 20, 200, 3), dev(1, 20, 200, 3)], 100)
+    };
+    let r = run(&cfg, LIMIT);
+    assert_complete(&cfg, &r);
+    assert_eq!(r.coalesced_blocks, 0);
+}

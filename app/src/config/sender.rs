@@ -43,6 +43,9 @@ pub struct SenderConfig {
     pub shutdown_grace: f64,
     #[serde(default)]
     pub first_packet: u16,
+    /// Microseconds a small lossy message may wait for others to share its block (0: off).
+    #[serde(default = "d_coalesce_wait_us")]
+    pub coalesce_wait_us: u64,
     #[serde(default)]
     pub rdma_device: Option<String>,
     #[serde(default = "d_port")]
@@ -89,6 +92,9 @@ fn d_send_blocks() -> usize {
 }
 fn d_block_size() -> usize {
     1 << 20
+}
+fn d_coalesce_wait_us() -> u64 {
+    100
 }
 fn d_outstanding() -> usize {
     4
@@ -172,6 +178,12 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
         return Err(err(
             "max_outstanding",
             format!("{} is not in 1..=1024", cfg.max_outstanding),
+        ));
+    }
+    if cfg.coalesce_wait_us > 100_000 {
+        return Err(err(
+            "coalesce_wait_us",
+            format!("{} is not in 0..=100000", cfg.coalesce_wait_us),
         ));
     }
     if cfg.queue_depth == 0 {

@@ -14,12 +14,13 @@ use parking_lot::Mutex;
 use crate::error::{Result, spawn};
 use bytes::Bytes;
 
+use crate::proto::coalesce;
 use crate::proto::{
     BlockError, BlockHeader, BlockScanner, Budget, HEADER_LEN, Limits, Packet, Released,
     ReorderConfig, SenderSession, StreamEvent,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
-use crate::transport::{Accepted, Listener, RefusalKind, Region};
+use crate::transport::{Accepted, Listener, RefusalKind, Region, RetainedBlock};
 
 /// A device of a sender: what the receiver's output and stats are keyed by.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -441,10 +442,13 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
                 tracing::debug!(sender = %name, "{} of {n} blocks are held downstream; copying payloads until some are released", region.retained());
             }
             copy_logged = over;
-            let packet = take_block(&region, j, shared.opts.max_device, zero_copy_limit, &memory);
+            let packets = take_block(&region, j, shared.opts.max_device, zero_copy_limit, &memory);
             shared.blocks.fetch_add(1, Ordering::Relaxed);
-            match packet {
-                Ok(p) => route(&shared, &name, session, p),
+            match packets {
+                // A coalesced block's messages, in block order, each as if it came alone.
+                Ok(ps) => ps
+                    .into_iter()
+                    .for_each(|p| route(&shared, &name, session, p)),
                 Err(e) => shared.invalid.record(e, &name, &peer),
             }
             idle = shared.opts.poll_min;
@@ -504,9 +508,18 @@ fn has_room(
     memory: &Budget,
 ) -> bool {
     let mut header = None;
+    let mut coalesced = None;
     region.read_block(j, &mut |b| {
-        header = BlockHeader::decode_header(b, shared.opts.max_device).ok();
+        if coalesce::block_version(b) == Some(coalesce::COALESCED_VERSION) {
+            coalesced = coalesce::coalesced_body_len(b).ok();
+        } else {
+            header = BlockHeader::decode_header(b, shared.opts.max_device).ok();
+        }
     });
+    if let Some(body) = coalesced {
+        // Every message of a coalesced block is copied out (at most its body).
+        return memory.available() >= body;
+    }
     let Some(h) = header else { return true };
     let payload = h.payload_len as usize;
     let need = if h.fragment_count > 1 {
@@ -530,8 +543,37 @@ fn take_block(
     max_device: u8,
     zero_copy_limit: usize,
     memory: &Arc<Budget>,
-) -> std::result::Result<Packet, BlockError> {
+) -> std::result::Result<Vec<Packet>, BlockError> {
     let held = region.clone().retain(j);
+    if coalesce::block_version(&held) == Some(coalesce::COALESCED_VERSION) {
+        // Several small lossy messages: validated whole, copied out, the block freed at once
+        // (when `held` drops).
+        let msgs = coalesce::decode_coalesced(&held, max_device)?;
+        return msgs
+            .into_iter()
+            .map(|(header, range)| {
+                let payload = crate::proto::budget::reserved_copy(memory, &held[range])
+                    .ok_or(BlockError::OverBudget)?;
+                Ok(Packet {
+                    header,
+                    payload,
+                    ack: None,
+                })
+            })
+            .collect();
+    }
+    take_single(held, region, j, max_device, zero_copy_limit, memory).map(|p| vec![p])
+}
+
+/// Takes a version 1 block (one message, or one fragment of one).
+fn take_single(
+    held: RetainedBlock,
+    region: &Arc<dyn Region>,
+    j: usize,
+    max_device: u8,
+    zero_copy_limit: usize,
+    memory: &Arc<Budget>,
+) -> std::result::Result<Packet, BlockError> {
     let (header, range) = {
         let (h, payload) = BlockHeader::decode_block(&held, max_device)?;
         (h, HEADER_LEN..HEADER_LEN + payload.len())

@@ -18,6 +18,7 @@ use crossbeam_channel::{
 
 use super::{FrameData, SourceFrame};
 use crate::error::{Error, Result, spawn};
+use crate::proto::coalesce::{self, Batch, Coalescer};
 use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
     Added, Delivery, FillingMachine, Message, MessageKind, MessageTimes, NO_PTS, SenderMachine,
@@ -60,6 +61,10 @@ pub struct SenderOptions {
     /// Run the sliding-window baseline (one connection per device, WRITE WITH IMMEDIATE and
     /// ACKs) instead of the status-byte mechanism; the receiver must run it too.
     pub sliding_window: bool,
+    /// How long a small lossy message may wait for others to share its block (layout version
+    /// 2, docs/protocol.md "Coalesced blocks"); zero turns coalescing off. Ignored for the
+    /// sliding window.
+    pub coalesce_wait: Duration,
 }
 
 impl Default for SenderOptions {
@@ -74,6 +79,7 @@ impl Default for SenderOptions {
             reconnect_max: Duration::from_secs(5),
             first_packet: 0,
             sliding_window: false,
+            coalesce_wait: Duration::ZERO,
         }
     }
 }
@@ -188,6 +194,9 @@ struct Filled {
 
 enum ToSending {
     Block(Filled),
+    /// The frames (device, payload bytes, capture time) of the coalesced block about to come
+    /// in this send block, for stats; sent just before its `Block`.
+    Frames(usize, Vec<(u8, usize, u64)>),
     /// Every device ended: finish what is queued, then close.
     Done,
 }
@@ -221,7 +230,7 @@ pub struct SenderHandle {
     control: Option<Sender<Control>>,
     counters: Arc<Registry<u8>>,
     abort: Arc<AtomicBool>,
-    filling: Option<JoinHandle<()>>,
+    filling: Option<JoinHandle<u64>>,
     sending: Option<JoinHandle<Result<SenderReport>>>,
     queue_depth: usize,
     live: Arc<parking_lot::Mutex<SenderStats>>,
@@ -262,6 +271,13 @@ impl SenderHandle {
                 opts.first_packet,
                 drops.clone(),
             );
+            // The sliding-window baseline keeps each device on its own connection, so its
+            // messages never share a block.
+            let coalesce_wait = if opts.sliding_window {
+                Duration::ZERO
+            } else {
+                opts.coalesce_wait
+            };
             spawn("filling", move || {
                 filling_thread(
                     blocks,
@@ -271,6 +287,7 @@ impl SenderHandle {
                     abort,
                     first_packet,
                     drops,
+                    coalesce_wait,
                 )
             })?
         };
@@ -279,6 +296,7 @@ impl SenderHandle {
             let state = Sending {
                 machine: SenderMachine::new(opts.max_outstanding),
                 meta: vec![None; opts.send_blocks],
+                coalesced: vec![Vec::new(); opts.send_blocks],
                 free: free_tx,
                 counters: counters.clone(),
             };
@@ -365,9 +383,8 @@ impl SenderHandle {
         let mut report = sending
             .join()
             .unwrap_or_else(|p| Err(Error::panicked("sending", p)));
-        if let Some(f) = self.filling.take() {
-            let _ = f.join();
-        }
+        // Frames the filling thread held to share a block and could not send.
+        let held = self.filling.take().map_or(0, |f| f.join().unwrap_or(0));
         let queued: u64 = self
             .queues
             .lock()
@@ -375,7 +392,7 @@ impl SenderHandle {
             .map(|q| q.try_iter().filter(|m| matches!(m, Msg::Frame(_))).count() as u64)
             .sum();
         if let Ok(r) = &mut report {
-            r.undelivered_frames += queued;
+            r.undelivered_frames += queued + held;
         }
         report
     }
@@ -392,6 +409,10 @@ impl Drop for SenderHandle {
     }
 }
 
+/// The filling thread. Returns the frames it took from the queues but never handed to the
+/// sending thread (held to share a block, or in a coalesced block without a send block, when
+/// the sender stopped).
+#[allow(clippy::too_many_arguments)]
 fn filling_thread(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
@@ -400,6 +421,36 @@ fn filling_thread(
     abort: Arc<AtomicBool>,
     first_packet: u16,
     drops: Arc<AtomicU64>,
+    coalesce_wait: Duration,
+) -> u64 {
+    let mut coalescer = Coalescer::new(blocks.block_size(), coalesce_wait);
+    let lost = std::cell::Cell::new(0);
+    filling_loop(
+        blocks,
+        control,
+        free,
+        filled,
+        abort,
+        first_packet,
+        drops,
+        &mut coalescer,
+        &lost,
+    );
+    let held = coalescer.flush().unwrap_or_default();
+    lost.get() + frames_in(&held).len() as u64
+}
+
+#[allow(clippy::too_many_arguments)]
+fn filling_loop(
+    blocks: Arc<SendBlocks>,
+    control: Receiver<Control>,
+    free: Receiver<usize>,
+    filled: Sender<ToSending>,
+    abort: Arc<AtomicBool>,
+    first_packet: u16,
+    drops: Arc<AtomicU64>,
+    coalescer: &mut Coalescer<Vec<u8>>,
+    lost: &std::cell::Cell<u64>,
 ) {
     let block_size = blocks.block_size();
     let mut machine = FillingMachine::new(block_size, blocks.count(), first_packet);
@@ -418,8 +469,14 @@ fn filling_thread(
     };
     // Copies one planned message into send blocks and hands them to the sending thread.
     // The payload is written in place (`FrameData::write` renders or copies each fragment
-    // straight into the block's payload area, after the header).
-    let fill = |msg: Option<Message>, device: u8, payload: &FrameData, timestamp_ns: u64| -> bool {
+    // straight into the block's payload area, after the header); a small message held for
+    // coalescing is taken as bytes (it shares a block with others once they are ready).
+    let fill = |coalescer: &mut Coalescer<Vec<u8>>,
+                msg: Option<Message>,
+                device: u8,
+                payload: &FrameData,
+                timestamp_ns: u64|
+     -> bool {
         let Some(msg) = msg else {
             tracing::error!(
                 device,
@@ -439,6 +496,24 @@ fn filling_thread(
             );
         }
         let count = msg.headers.len();
+        if coalescer.enabled() {
+            // Small lossy messages wait for company; anything else goes after the held ones.
+            let (batches, taken) = match &msg.headers[..] {
+                [h] if coalesce::can_share(h) => (
+                    coalescer.handle_message(Instant::now(), *h, payload.to_bytes().to_vec()),
+                    true,
+                ),
+                _ => (coalescer.flush().into_iter().collect(), false),
+            };
+            for b in batches {
+                if !write_batch(&blocks, &take_free, &filled, b, lost) {
+                    return false;
+                }
+            }
+            if taken {
+                return true;
+            }
+        }
         for (k, h) in msg.headers.into_iter().enumerate() {
             let Some(i) = take_free() else { return false };
             let range = fragment_range(k, payload.len(), block_size);
@@ -469,7 +544,18 @@ fn filling_thread(
         if abort.load(Ordering::Acquire) {
             return;
         }
+        // Held small messages whose wait is over go out.
+        if let Some(b) = coalescer.handle_timeout(Instant::now())
+            && !write_batch(&blocks, &take_free, &filled, b, lost)
+        {
+            return;
+        }
         if !control_open && queues.is_empty() {
+            if let Some(b) = coalescer.flush()
+                && !write_batch(&blocks, &take_free, &filled, b, lost)
+            {
+                return;
+            }
             let _ = filled.send(ToSending::Done);
             return;
         }
@@ -478,7 +564,12 @@ fn filling_thread(
         for (_, rx) in &queues {
             sel.recv(rx);
         }
-        let Ok(op) = sel.select_timeout(Duration::from_millis(50)) else {
+        let wait = coalescer
+            .poll_timeout()
+            .map_or(Duration::from_millis(50), |t| {
+                t.saturating_duration_since(Instant::now())
+            });
+        let Ok(op) = sel.select_timeout(wait) else {
             continue;
         };
         let index = op.index();
@@ -513,8 +604,14 @@ fn filling_thread(
                 let plan = machine.frame(device, &f.format, f.index, f.data.len(), times);
                 plan.format.is_none_or(|m| {
                     let format = bytes::Bytes::copy_from_slice(f.format.as_bytes());
-                    fill(Some(m), device, &FrameData::Bytes(format), f.timestamp_ns)
-                }) && fill(plan.frame, device, &f.data, f.timestamp_ns)
+                    fill(
+                        coalescer,
+                        Some(m),
+                        device,
+                        &FrameData::Bytes(format),
+                        f.timestamp_ns,
+                    )
+                }) && fill(coalescer, plan.frame, device, &f.data, f.timestamp_ns)
             }
             Msg::End => {
                 queues.remove(pos);
@@ -524,7 +621,13 @@ fn filling_thread(
                 {
                     queues.push(waiting.remove(k));
                 }
-                fill(Some(end), device, &FrameData::Bytes(bytes::Bytes::new()), 0)
+                fill(
+                    coalescer,
+                    Some(end),
+                    device,
+                    &FrameData::Bytes(bytes::Bytes::new()),
+                    0,
+                )
             }
         };
         if !ok {
@@ -533,9 +636,52 @@ fn filling_thread(
     }
 }
 
+/// Writes one batch of the coalescer into a free send block (a lone message as a version 1
+/// block, several as a coalesced one) and hands it to the sending thread. False once the sender
+/// stops.
+fn write_batch(
+    blocks: &SendBlocks,
+    take_free: &dyn Fn() -> Option<usize>,
+    filled: &Sender<ToSending>,
+    batch: Batch<Vec<u8>>,
+    lost: &std::cell::Cell<u64>,
+) -> bool {
+    let frames = frames_in(&batch);
+    let Some(i) = take_free() else {
+        lost.set(lost.get() + frames.len() as u64);
+        return false;
+    };
+    let len = blocks.fill(i, |b| coalesce::encode_batch(&batch, b));
+    // Only lossy, whole messages are ever held: no block here waits for a confirmation.
+    if !frames.is_empty() && filled.send(ToSending::Frames(i, frames)).is_err() {
+        return false;
+    }
+    filled
+        .send(ToSending::Block(Filled {
+            index: i,
+            len,
+            device: batch[0].0.device,
+            reliable: false,
+            last: true,
+            frame_end: None,
+        }))
+        .is_ok()
+}
+
+/// The frames (device, payload bytes, capture time) among a batch's messages.
+fn frames_in(batch: &[(crate::proto::BlockHeader, Vec<u8>)]) -> Vec<(u8, usize, u64)> {
+    batch
+        .iter()
+        .filter(|(h, _)| !h.is_format() && !h.is_end_of_stream())
+        .map(|(h, p)| (h.device, p.len(), h.timestamp_ns))
+        .collect()
+}
+
 struct Sending {
     machine: SenderMachine,
     meta: Vec<Option<Filled>>,
+    /// Frames of the coalesced (or held and then sent alone) message in each send block.
+    coalesced: Vec<Vec<(u8, usize, u64)>>,
     free: Sender<usize>,
     counters: Arc<Registry<u8>>,
 }
@@ -552,6 +698,7 @@ impl Sending {
                 };
                 self.machine.handle_filled(f.index, f.len, delivery);
             }
+            ToSending::Frames(i, frames) => self.coalesced[i] = frames,
             ToSending::Done => *done = true,
         }
     }
@@ -562,7 +709,8 @@ impl Sending {
         }
     }
 
-    /// Send block `i` is delivered: count its frame (if it ends one), give it back to filling.
+    /// Send block `i` is delivered: count its frame (if it ends one) or the frames coalesced
+    /// into it, give it back to filling.
     fn release(&mut self, i: usize) {
         if let Some(Filled {
             device,
@@ -570,6 +718,10 @@ impl Sending {
             ..
         }) = self.meta[i].take()
         {
+            let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
+            self.counters.device(&device).frame(bytes, Some(latency));
+        }
+        for (device, bytes, ts) in std::mem::take(&mut self.coalesced[i]) {
             let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
             self.counters.device(&device).frame(bytes, Some(latency));
         }
@@ -623,7 +775,8 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                 .meta
                 .iter()
                 .filter(|m| m.is_some_and(|f| f.frame_end.is_some()))
-                .count() as u64;
+                .count() as u64
+                + s.coalesced.iter().map(|f| f.len() as u64).sum::<u64>();
             break;
         }
         while let Ok(ev) = t.filled.try_recv() {

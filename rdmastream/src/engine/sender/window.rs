@@ -134,33 +134,33 @@ pub(super) fn window_sending_thread(t: SendingThread, mut s: Sending) -> Result<
     let mut report = SenderReport::default();
     let mut done = false;
     let mut completions = Vec::new();
-    let intake = |ev: ToSending,
-                  s: &mut Sending,
-                  lanes: &mut BTreeMap<u8, Lane>,
-                  done: &mut bool| {
-        match ev {
-            ToSending::Block(f) => {
-                s.meta[f.index] = Some(f);
-                let lane = lanes.entry(f.device).or_insert_with(|| Lane {
-                    device: f.device,
-                    machine: WindowSender::new(t.opts.max_outstanding),
-                    conn: None,
-                    ack: None,
-                    backoff: t.opts.reconnect_min,
-                    next_attempt: Instant::now(),
-                    last_error: String::new(),
-                    work: WorkCounts::default(),
-                });
-                let delivery = if f.reliable {
-                    Delivery::Confirmed { last: f.last }
-                } else {
-                    Delivery::Unconfirmed
-                };
-                lane.machine.handle_filled(f.index, f.len, delivery);
+    let intake =
+        |ev: ToSending, s: &mut Sending, lanes: &mut BTreeMap<u8, Lane>, done: &mut bool| {
+            match ev {
+                ToSending::Block(f) => {
+                    s.meta[f.index] = Some(f);
+                    let lane = lanes.entry(f.device).or_insert_with(|| Lane {
+                        device: f.device,
+                        machine: WindowSender::new(t.opts.max_outstanding),
+                        conn: None,
+                        ack: None,
+                        backoff: t.opts.reconnect_min,
+                        next_attempt: Instant::now(),
+                        last_error: String::new(),
+                        work: WorkCounts::default(),
+                    });
+                    let delivery = if f.reliable {
+                        Delivery::Confirmed { last: f.last }
+                    } else {
+                        Delivery::Unconfirmed
+                    };
+                    lane.machine.handle_filled(f.index, f.len, delivery);
+                }
+                // Not produced: the baseline runs without coalescing (see `SenderHandle::start`).
+                ToSending::Frames(i, frames) => s.coalesced[i] = frames,
+                ToSending::Done => *done = true,
             }
-            ToSending::Done => *done = true,
-        }
-    };
+        };
     loop {
         let mut stats = WindowStats::default();
         for l in lanes.values() {
