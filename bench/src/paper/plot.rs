@@ -491,10 +491,11 @@ pub fn plot(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
                 &format!("Fig. {fig}: RNIC resources used at the {side}"),
                 "entries / work requests per block",
                 &[
-                    "send queue",
-                    "receive queue",
-                    "completion queue",
+                    "send queue depth",
+                    "receive queue depth",
+                    "completion queues",
                     "WRs per block",
+                    "CQEs per block",
                 ],
                 &values,
             )?;
@@ -549,7 +550,7 @@ pub fn plot(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
                     area,
                     &Chart {
                         title: &title,
-                        x_desc: "time (ms, 10 ms bins)",
+                        x_desc: "time (ms, 1 ms bins)",
                         y_desc: "total throughput (MB/s)",
                         x: Scale::Linear,
                         y: Scale::Linear,
