@@ -690,7 +690,37 @@ fn sender_killed_mid_frame_and_restarted_over_shm() {
         &tx2_log,
     );
     exits_ok(&mut tx2, Duration::from_secs(120), "sender", &tx2_log);
-    let base: Vec<u64> = first.iter().map(|f| f.len() as u64).collect();
+    // Where the new session starts, as the receiver says: frames of the killed session that
+    // were still on their way when the snapshot above was taken may have been written after it.
+    let rx_text = std::fs::read_to_string(&rx_log).unwrap_or_default();
+    let base: Vec<u64> = [&cam, &rad]
+        .iter()
+        .zip(&first)
+        .map(|(dir, files)| {
+            let marker = format!("dir={}", dir.display());
+            let from = rx_text
+                .lines()
+                .filter(|l| l.contains("a new session of this sender") && l.contains(&marker))
+                .find_map(|l| {
+                    l.split("numbered from ")
+                        .nth(1)?
+                        .split_whitespace()
+                        .next()?
+                        .parse::<u64>()
+                        .ok()
+                })
+                .unwrap_or_else(|| {
+                    panic!("no new session in {}:\n{}", dir.display(), tail(&rx_log))
+                });
+            assert!(
+                from >= files.len() as u64,
+                "{}: the new session starts at {from}, inside the first run's {} frames",
+                dir.display(),
+                files.len()
+            );
+            from
+        })
+        .collect();
     assert!(
         wait_for(Duration::from_secs(60), || frame_files(&cam).len() as u64
             == base[0] + 30
