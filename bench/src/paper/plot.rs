@@ -265,6 +265,22 @@ fn bars(
     Ok(())
 }
 
+/// The throughput ceiling (Fig. 13's perftest or plain-TCP rate) at the block size nearest
+/// `size`, as a flat line from `x0` to `x1`, named after its tool and size.
+fn flat_ceiling(ceilings: &[BTreeMap<String, String>], size: usize, x0: f64, x1: f64) -> Series {
+    let nearest = ceilings
+        .iter()
+        .filter(|r| r["figure"] == "13")
+        .min_by_key(|r| (num(r, "size") as i64 - size as i64).unsigned_abs());
+    nearest
+        .map(|r| {
+            let v = num(r, "value");
+            let name = format!("{} {}", r["mechanism"], human_bytes(num(r, "size")));
+            vec![(name, vec![(x0, v), (x1, v)])]
+        })
+        .unwrap_or_default()
+}
+
 /// Draws every figure whose CSV is in `dir`; prints what it wrote.
 pub fn plot(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
     let font = std::fs::read(FONT)
@@ -517,7 +533,11 @@ pub fn plot(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
                 y: Scale::Linear,
                 points: false,
             },
-            &series(&rows, |_| true, |r| num(r, "ms"), |r| num(r, "mb_per_s")),
+            &{
+                let mut data = series(&rows, |_| true, |r| num(r, "ms"), |r| num(r, "mb_per_s"));
+                data.extend(flat_ceiling(&ceilings, 64 << 10, 0.0, 300.0));
+                data
+            },
         )?;
         root.present()?;
         wrote.push(p.clone());
@@ -546,17 +566,25 @@ pub fn plot(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
                     ["a", "b", "c"][k.min(2)],
                     if mean > 0.0 { sd / mean } else { 0.0 }
                 );
+                let x1 = pts.last().map_or(1.0, |p| p.0);
+                let bin = match &pts[..] {
+                    [a, b, ..] => b.0 - a.0,
+                    _ => 1.0,
+                };
+                let x_desc = format!("time (ms, {bin:.0} ms bins)");
+                let mut data = vec![(name, pts)];
+                data.extend(flat_ceiling(&ceilings, 640 * 480 * 3, 0.0, x1));
                 draw(
                     area,
                     &Chart {
                         title: &title,
-                        x_desc: "time (ms, 1 ms bins)",
+                        x_desc: &x_desc,
                         y_desc: "total throughput (MB/s)",
                         x: Scale::Linear,
                         y: Scale::Linear,
                         points: false,
                     },
-                    &vec![(name, pts)],
+                    &data,
                 )?;
             }
             root.present()?;
