@@ -59,6 +59,16 @@ pub trait Link: Send {
     fn sync_once(&mut self) -> f64;
     /// One block of `len` bytes, from posting to the sender's completion, in µs.
     fn transmit_once(&mut self, len: usize) -> f64;
+    /// Hands the mechanism one block of `len` bytes if a send block is free; false if none is.
+    fn offer(&mut self, len: usize) -> bool;
+    /// Posts what the mechanism allows and takes completions; returns the send blocks that came
+    /// back (their write completed).
+    fn advance(&mut self) -> u64;
+    /// What the sender's transport counted.
+    fn sender_counts(&self) -> Counts;
+    /// The receiver thread's side of the link.
+    fn shared(&self) -> &Shared;
+
     /// Blocks of `len` bytes sent as fast as the mechanism allows until `due(elapsed)` (how many
     /// should have been sent by then) is reached, for `dur` or until `stop_after` have completed;
     /// returns how many completed and the seconds it took.
@@ -68,19 +78,52 @@ pub trait Link: Send {
         due: &dyn Fn(Duration) -> u64,
         dur: Duration,
         stop_after: u64,
-    ) -> (u64, f64);
+    ) -> (u64, f64) {
+        let start = Instant::now();
+        let (mut filled, mut completed) = (0u64, 0u64);
+        loop {
+            let el = start.elapsed();
+            if el >= dur || completed >= stop_after {
+                break;
+            }
+            let want = due(el).min(stop_after);
+            while filled < want && self.offer(len) {
+                filled += 1;
+            }
+            completed += self.advance();
+        }
+        // What is in flight completes before the next experiment (bounded: a link that stops
+        // completing must not hang the whole run).
+        let drain = Instant::now() + Duration::from_secs(30);
+        while completed < filled && Instant::now() < drain {
+            completed += self.advance();
+        }
+        (completed, start.elapsed().as_secs_f64())
+    }
     /// Makes the receiver keep one block during `hold`.
-    fn hold(&mut self, hold: Hold);
+    fn hold(&mut self, hold: Hold) {
+        *self.shared().hold.lock().unwrap() = Some(hold);
+    }
     /// Makes the receiver sleep when idle (20 µs doubling to 200 µs after 50 µs without a
     /// block), as the engine's receiver does, instead of yielding: for experiments that run
     /// many links at once on few cores.
-    fn relax(&mut self);
+    fn relax(&mut self) {
+        self.shared().relaxed.store(true, Ordering::Relaxed);
+    }
     /// Starts recording the blocks the receiver takes.
-    fn record(&mut self);
+    fn record(&mut self) {
+        self.shared().record.store(true, Ordering::Relaxed);
+    }
     /// Blocks the receiver took since [`Link::record`]: (when, bytes); stops recording.
-    fn arrivals(&mut self) -> Vec<(Instant, u32)>;
+    fn arrivals(&mut self) -> Vec<(Instant, u32)> {
+        self.shared().record.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *self.shared().arrivals.lock().unwrap())
+    }
     /// What the sender's and the receiver's transports counted.
-    fn counts(&self) -> (Counts, Counts);
+    fn counts(&self) -> (Counts, Counts) {
+        let receiver = self.shared().receiver_counts.lock().unwrap();
+        (self.sender_counts(), receiver.unwrap_or_default().into())
+    }
 }
 
 /// A connection wrapper that counts what is posted and how much is outstanding.
@@ -177,8 +220,9 @@ pub struct StatusByteLink {
     shared: Arc<Shared>,
 }
 
+/// What a link's receiver thread shares with the experiment driving the sender.
 #[derive(Default)]
-struct Shared {
+pub struct Shared {
     stop: AtomicBool,
     /// Arrivals are recorded only while an experiment asks for them (bounded memory).
     record: AtomicBool,
@@ -336,63 +380,24 @@ impl Link for StatusByteLink {
         t.elapsed().as_secs_f64() * 1e6
     }
 
-    fn stream(
-        &mut self,
-        len: usize,
-        due: &dyn Fn(Duration) -> u64,
-        dur: Duration,
-        stop_after: u64,
-    ) -> (u64, f64) {
-        let start = Instant::now();
-        let (mut filled, mut completed) = (0u64, 0u64);
-        loop {
-            let el = start.elapsed();
-            if el >= dur || completed >= stop_after {
-                break;
-            }
-            let want = due(el).min(stop_after);
-            while filled < want
-                && let Some(i) = self.free.pop()
-            {
-                self.machine.handle_filled(i, len, Delivery::Unconfirmed);
-                filled += 1;
-            }
-            completed += self.turn();
-        }
-        // What is in flight completes before the next experiment (bounded: a link that stops
-        // completing must not hang the whole run).
-        let drain = Instant::now() + Duration::from_secs(30);
-        while completed < filled && Instant::now() < drain {
-            completed += self.turn();
-        }
-        (completed, start.elapsed().as_secs_f64())
+    fn offer(&mut self, len: usize) -> bool {
+        let Some(i) = self.free.pop() else {
+            return false;
+        };
+        self.machine.handle_filled(i, len, Delivery::Unconfirmed);
+        true
     }
 
-    fn hold(&mut self, hold: Hold) {
-        *self.shared.hold.lock().unwrap() = Some(hold);
+    fn advance(&mut self) -> u64 {
+        self.turn()
     }
 
-    fn relax(&mut self) {
-        self.shared.relaxed.store(true, Ordering::Relaxed);
+    fn sender_counts(&self) -> Counts {
+        self.conn.counts()
     }
 
-    fn record(&mut self) {
-        self.shared.record.store(true, Ordering::Relaxed);
-    }
-
-    fn arrivals(&mut self) -> Vec<(Instant, u32)> {
-        self.shared.record.store(false, Ordering::Relaxed);
-        std::mem::take(&mut *self.shared.arrivals.lock().unwrap())
-    }
-
-    fn counts(&self) -> (Counts, Counts) {
-        let receiver = self
-            .shared
-            .receiver_counts
-            .lock()
-            .unwrap()
-            .unwrap_or_default();
-        (self.conn.counts(), receiver.into())
+    fn shared(&self) -> &Shared {
+        &self.shared
     }
 }
 
@@ -614,60 +619,23 @@ impl Link for SlidingWindowLink {
             * 1e6
     }
 
-    fn stream(
-        &mut self,
-        len: usize,
-        due: &dyn Fn(Duration) -> u64,
-        dur: Duration,
-        stop_after: u64,
-    ) -> (u64, f64) {
-        let start = Instant::now();
-        let (mut filled, mut completed) = (0u64, 0u64);
-        loop {
-            let el = start.elapsed();
-            if el >= dur || completed >= stop_after {
-                break;
-            }
-            let want = due(el).min(stop_after);
-            while filled < want
-                && let Some(i) = self.free.pop()
-            {
-                self.machine.handle_filled(i, len, Delivery::Unconfirmed);
-                filled += 1;
-            }
-            completed += self.turn(Duration::from_millis(1));
-        }
-        let drain = Instant::now() + Duration::from_secs(30);
-        while completed < filled && Instant::now() < drain {
-            completed += self.turn(Duration::from_millis(1));
-        }
-        (completed, start.elapsed().as_secs_f64())
+    fn offer(&mut self, len: usize) -> bool {
+        let Some(i) = self.free.pop() else {
+            return false;
+        };
+        self.machine.handle_filled(i, len, Delivery::Unconfirmed);
+        true
     }
 
-    fn hold(&mut self, hold: Hold) {
-        *self.shared.hold.lock().unwrap() = Some(hold);
+    fn advance(&mut self) -> u64 {
+        self.turn(Duration::from_millis(1))
     }
 
-    fn relax(&mut self) {
-        self.shared.relaxed.store(true, Ordering::Relaxed);
+    fn sender_counts(&self) -> Counts {
+        self.conn.work_counts().into()
     }
 
-    fn record(&mut self) {
-        self.shared.record.store(true, Ordering::Relaxed);
-    }
-
-    fn arrivals(&mut self) -> Vec<(Instant, u32)> {
-        self.shared.record.store(false, Ordering::Relaxed);
-        std::mem::take(&mut *self.shared.arrivals.lock().unwrap())
-    }
-
-    fn counts(&self) -> (Counts, Counts) {
-        let receiver = self
-            .shared
-            .receiver_counts
-            .lock()
-            .unwrap()
-            .unwrap_or_default();
-        (self.conn.work_counts().into(), receiver.into())
+    fn shared(&self) -> &Shared {
+        &self.shared
     }
 }
