@@ -1723,3 +1723,129 @@ pub mod fuzzing {
         (out, end)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> Key {
+        Key::new(b"tcp-notice-test-key-01".to_vec()).unwrap()
+    }
+
+    /// A receiver that runs the real handshake, then writes `after` raw onto the connection:
+    /// what a hostile or broken receiver could send.
+    fn hostile_receiver(after: Vec<u8>, then_close: bool) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let settings = RegionSettings {
+                access: super::super::AccessControl::new(
+                    super::super::Keys::shared(key()),
+                    4,
+                    crate::proto::Budget::unlimited(),
+                ),
+                ..RegionSettings::plain(4, 256)
+            };
+            let admitted =
+                server_handshake(&mut stream, &settings, DataPath::Tcp, "tcp only", |_, _| {
+                    let welcome = Welcome {
+                        blocks: 4,
+                        block_size: 256,
+                        ..Welcome::refusal("")
+                    };
+                    Ok((welcome, ()))
+                });
+            assert!(admitted.is_ok(), "the handshake failed");
+            stream.write_all(&after).unwrap();
+            if then_close {
+                return;
+            }
+            // Keep the connection open until the sender gave up on it.
+            let mut sink = [0u8; 256];
+            while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
+        });
+        addr
+    }
+
+    fn notice(device: u8, len: usize) -> Vec<u8> {
+        let mut b = OpHeader {
+            op: OP_NOTICE,
+            target: device,
+            signaled: false,
+            len: len as u32,
+            offset: 0,
+            wr_id: 0,
+        }
+        .encode()
+        .to_vec();
+        b.extend(std::iter::repeat_n(b'n', len));
+        b
+    }
+
+    fn hello() -> Hello {
+        Hello {
+            version: PROTOCOL_VERSION,
+            sender: "told".into(),
+            nonce: [0; 32],
+            mechanism: Default::default(),
+            session: 1,
+            block_size: 0,
+            data_path: DataPath::Tcp,
+            qp: Default::default(),
+        }
+    }
+
+    /// Polls until the connection yields notices or fails.
+    fn poll(conn: &mut dyn Connection) -> std::result::Result<Vec<Notice>, String> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut done = Vec::new();
+        while Instant::now() < deadline {
+            conn.poll_completions(&mut done, Duration::from_millis(20))
+                .map_err(|e| e.to_string())?;
+            let got = conn.take_notices();
+            if !got.is_empty() {
+                return Ok(got);
+            }
+        }
+        Err("nothing within 20 s".into())
+    }
+
+    #[test]
+    fn a_notice_at_the_bound_arrives_and_one_over_it_fails_the_connection() {
+        let blocks = SendBlocks::new(1, 256);
+        let addr = hostile_receiver(notice(3, MAX_NOTICE_TEXT), false);
+        let mut conn = TcpConnector::new(addr)
+            .connect(&hello(), Some(&key()), &blocks)
+            .unwrap();
+        let got = poll(conn.as_mut()).expect("a notice of the largest size arrives");
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].device, 3);
+
+        let addr = hostile_receiver(notice(3, MAX_NOTICE_TEXT + 1), false);
+        let mut conn = TcpConnector::new(addr.clone())
+            .connect(&hello(), Some(&key()), &blocks)
+            .unwrap();
+        let err = poll(conn.as_mut()).expect_err("an oversized notice ends the connection");
+        assert!(
+            err.contains(&format!("a notice of {} bytes", MAX_NOTICE_TEXT + 1))
+                && err.contains(&addr),
+            "the error names the peer and the size: {err}"
+        );
+        assert!(conn.take_notices().is_empty(), "nothing of it is kept");
+    }
+
+    #[test]
+    fn a_notice_cut_short_by_the_receiver_fails_the_connection() {
+        let blocks = SendBlocks::new(1, 256);
+        let mut cut = notice(1, 100);
+        cut.truncate(OP_HEADER + 40);
+        // The receiver writes part of the notice, then closes.
+        let addr = hostile_receiver(cut, true);
+        let mut conn = TcpConnector::new(addr)
+            .connect(&hello(), Some(&key()), &blocks)
+            .unwrap();
+        let err = poll(conn.as_mut()).expect_err("a cut notice ends the connection");
+        assert!(err.contains("notice"), "{err}");
+    }
+}
