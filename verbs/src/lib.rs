@@ -22,6 +22,7 @@
 pub mod ibv;
 pub mod shared;
 pub mod shm;
+mod side;
 
 use std::net::{Shutdown, TcpStream};
 use std::ops::Range;
@@ -46,7 +47,7 @@ use rdmastream::transport::tcp::{
 use rdmastream::transport::{
     Accepted, Completion, Connection, Connector, HeldBytes, Kind, Notice, NoticeQueue, Refusal,
     RefusalKind, Region, RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks,
-    SideChannelReader, Target, WorkCounter, WorkCounts, WriteSource, WriteWr,
+    Target, WorkCounter, WorkCounts, WriteSource, WriteWr,
 };
 
 /// Work requests this process posted (RDMA WRITEs and READs). A receiver reports it: it must
@@ -501,11 +502,7 @@ impl VerbsConnector {
             send_block_size: blocks.block_size(),
             cache,
             side,
-            side_checked: Instant::now(),
-            side_heard: Instant::now(),
-            side_sent: Instant::now(),
-            side_reader: SideChannelReader::default(),
-            notices: Vec::new(),
+            side_state: side::SenderSide::new("side channel"),
             peer_timeout: self.peer_timeout,
             polled: vec![ibv::Completion::default(); 16],
             read_len: 0,
@@ -673,14 +670,8 @@ pub struct VerbsConnection {
     /// Length of the last READ posted into `cache`.
     read_len: usize,
     side: TcpStream,
-    side_checked: Instant,
-    /// When the receiver's last heartbeat byte came, and this side's last went out.
-    side_heard: Instant,
-    side_sent: Instant,
-    /// Splits the receiver's side-channel bytes into heartbeats and notices.
-    side_reader: SideChannelReader,
-    /// Notices read from the side channel, not yet taken.
-    notices: Vec<Notice>,
+    /// Heartbeats and notices on the side channel.
+    side_state: side::SenderSide,
     peer_timeout: Duration,
     polled: Vec<ibv::Completion>,
 }
@@ -718,41 +709,9 @@ impl VerbsConnection {
     /// Checks (at most every 50 ms) that the receiver still holds the side channel open and
     /// has sent a heartbeat within the peer timeout; sends this side's heartbeat when due.
     fn check_side_channel(&mut self) -> Result<()> {
-        if self.side_checked.elapsed() < Duration::from_millis(50) {
-            return Ok(());
-        }
-        self.side_checked = Instant::now();
-        let mut bytes = [0u8; 64];
-        loop {
-            match std::io::Read::read(&mut self.side, &mut bytes) {
-                Ok(0) => return Err(self.lost("the receiver closed the side channel")),
-                Ok(n) => {
-                    self.side_heard = Instant::now();
-                    if let Err(why) = self.side_reader.feed(&bytes[..n], &mut self.notices) {
-                        return Err(self.lost(format!("protocol error: {why}")));
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.lost(format!("side channel: {e}"))),
-            }
-        }
-        if self.side_heard.elapsed() >= self.peer_timeout {
-            return Err(self.lost(format!(
-                "no heartbeat from the receiver for {:.1} s (peer timeout)",
-                self.side_heard.elapsed().as_secs_f64()
-            )));
-        }
-        if self.side_sent.elapsed() >= rdmastream::transport::heartbeat_interval(self.peer_timeout)
-        {
-            self.side_sent = Instant::now();
-            match std::io::Write::write(&mut self.side, &[0]) {
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(self.lost(format!("side channel: {e}"))),
-            }
-        }
-        Ok(())
+        self.side_state
+            .check(&mut self.side, self.peer_timeout)
+            .map_err(|why| self.lost(why))
     }
 }
 
@@ -850,7 +809,7 @@ impl Connection for VerbsConnection {
         self.check_side_channel()
     }
     fn take_notices(&mut self) -> Vec<Notice> {
-        std::mem::take(&mut self.notices)
+        self.side_state.take_notices()
     }
 }
 
@@ -1119,7 +1078,13 @@ fn handshake(
     // both ways on it.
     let watcher = spawn(format!("verbs-watch-{name}"), move || {
         let _closed = MarkClosed(&watched.closed);
-        watch_side_channel(side, timeout, &watched.closed, &watched.notices);
+        side::watch(
+            side,
+            timeout,
+            &watched.closed,
+            &watched.notices,
+            "sender on the side channel",
+        );
     });
     let window = match region.window {
         Some(_) => {
@@ -1149,56 +1114,6 @@ fn handshake(
         lease,
         memory,
     })
-}
-
-/// Reads the sender's heartbeats on the side channel and sends the receiver's and its notices
-/// (within a heartbeat interval), until the channel closes, stays silent for `timeout`, or
-/// `closed` is set (the receiver is done).
-fn watch_side_channel(
-    mut side: TcpStream,
-    timeout: Duration,
-    closed: &AtomicBool,
-    notices: &NoticeQueue,
-) {
-    let interval = rdmastream::transport::heartbeat_interval(timeout);
-    if side.set_read_timeout(Some(interval)).is_err() {
-        return;
-    }
-    let mut heard = Instant::now();
-    let mut sent = Instant::now();
-    let mut buf = [0u8; 64];
-    while !closed.load(Ordering::Acquire) {
-        match std::io::Read::read(&mut side, &mut buf) {
-            Ok(0) => return,
-            Ok(_) => heard = Instant::now(),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
-            Err(_) => return,
-        }
-        if heard.elapsed() >= timeout {
-            tracing::info!(
-                "sender silent on the side channel for {:.1} s (peer timeout): gone",
-                heard.elapsed().as_secs_f64()
-            );
-            return;
-        }
-        for n in notices.take() {
-            if std::io::Write::write_all(&mut side, &n.side_frame()).is_err() {
-                return;
-            }
-        }
-        if sent.elapsed() >= interval {
-            sent = Instant::now();
-            if std::io::Write::write_all(&mut side, &[0]).is_err() {
-                return;
-            }
-        }
-    }
 }
 
 /// Marks a region closed when dropped: on every way out of its watching thread.

@@ -22,12 +22,11 @@
 //! transport's); the mapping itself is [`crate::shared`].
 #![deny(unsafe_code)]
 
-use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -40,8 +39,8 @@ use rdmastream::transport::tcp::{
 };
 use rdmastream::transport::{
     Accepted, Completion, Connection, Connector, HeldBytes, Notice, NoticeQueue, Refusal,
-    RefusalKind, Region, RegionSettings, RemoteAddr, RetainedBlock, SendBlocks, SideChannelReader,
-    Target, WriteSource, WriteWr,
+    RefusalKind, Region, RegionSettings, RemoteAddr, RetainedBlock, SendBlocks, Target,
+    WriteSource, WriteWr,
 };
 
 /// The address scheme of the shm transport: `unix:/path/of/the/socket`.
@@ -231,7 +230,13 @@ fn handshake(
     let watched = region.clone();
     let timeout = settings.peer_timeout;
     let watcher = spawn(format!("shm-watch-{}", hello.sender), move || {
-        watch(side, timeout, &watched.closed, &watched.notices);
+        crate::side::watch(
+            side,
+            timeout,
+            &watched.closed,
+            &watched.notices,
+            "shm sender",
+        );
         watched.closed.store(true, Ordering::Release);
     });
     if let Err(e) = watcher {
@@ -251,53 +256,6 @@ fn handshake(
         lease,
         memory: memory.reassembly,
     })
-}
-
-/// Reads the sender's heartbeats and sends the receiver's and its notices (framed as on the
-/// verbs side channel) until the socket ends (the sender exited or was killed), stays silent
-/// for `timeout`, or `closed` is set (the receiver is done).
-fn watch(mut side: UnixStream, timeout: Duration, closed: &AtomicBool, notices: &NoticeQueue) {
-    let interval = rdmastream::transport::heartbeat_interval(timeout);
-    // A sender that stops reading (stopped, not dead) must not hold this thread in a write.
-    if side.set_read_timeout(Some(interval)).is_err()
-        || side.set_write_timeout(Some(timeout)).is_err()
-    {
-        return;
-    }
-    let (mut heard, mut sent) = (Instant::now(), Instant::now());
-    let mut buf = [0u8; 64];
-    while !closed.load(Ordering::Acquire) {
-        match side.read(&mut buf) {
-            Ok(0) => return,
-            Ok(_) => heard = Instant::now(),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
-            Err(_) => return,
-        }
-        if heard.elapsed() >= timeout {
-            tracing::info!(
-                "shm sender silent for {:.1} s (peer timeout): gone",
-                heard.elapsed().as_secs_f64()
-            );
-            return;
-        }
-        for n in notices.take() {
-            if side.write_all(&n.side_frame()).is_err() {
-                return;
-            }
-        }
-        if sent.elapsed() >= interval {
-            sent = Instant::now();
-            if side.write_all(&[0]).is_err() {
-                return;
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -402,7 +360,6 @@ impl Connector for ShmConnector {
         // Non-blocking: the liveness check only looks at what has arrived.
         side.set_nonblocking(true)
             .map_err(|e| hs_err(e.to_string()))?;
-        let now = Instant::now();
         Ok(Box::new(ShmConnection {
             peer,
             layout: RemoteLayout {
@@ -415,12 +372,8 @@ impl Connector for ShmConnector {
             blocks: blocks.clone(),
             done: Vec::new(),
             side,
-            checked: now,
-            heard: now,
-            sent: now,
+            side_state: crate::side::SenderSide::new("socket"),
             peer_timeout: self.peer_timeout,
-            reader: SideChannelReader::default(),
-            notices: Vec::new(),
         }))
     }
 }
@@ -436,15 +389,9 @@ pub struct ShmConnection {
     /// Completions of work already done, returned by the next poll.
     done: Vec<Completion>,
     side: UnixStream,
-    checked: Instant,
-    /// When the receiver's last heartbeat byte came, and this side's last went out.
-    heard: Instant,
-    sent: Instant,
+    /// Heartbeats and notices on the socket.
+    side_state: crate::side::SenderSide,
     peer_timeout: Duration,
-    /// Splits the receiver's bytes into heartbeats and notices.
-    reader: SideChannelReader,
-    /// Notices read, not yet taken.
-    notices: Vec<Notice>,
 }
 
 impl ShmConnection {
@@ -492,43 +439,12 @@ impl ShmConnection {
         }
     }
 
-    /// Reads the receiver's heartbeats (at most every 50 ms), fails once the socket ended or
-    /// was silent for the peer timeout, and sends this side's heartbeat when due.
+    /// Reads the receiver's heartbeats and notices (at most every 50 ms), fails once the
+    /// socket ended or was silent for the peer timeout, and sends this side's heartbeat when due.
     fn check_socket(&mut self) -> Result<()> {
-        if self.checked.elapsed() < Duration::from_millis(50) {
-            return Ok(());
-        }
-        self.checked = Instant::now();
-        let mut bytes = [0u8; 64];
-        loop {
-            match self.side.read(&mut bytes) {
-                Ok(0) => return Err(self.lost("the receiver closed the socket")),
-                Ok(n) => {
-                    self.heard = Instant::now();
-                    if let Err(why) = self.reader.feed(&bytes[..n], &mut self.notices) {
-                        return Err(self.lost(format!("protocol error: {why}")));
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.lost(format!("socket: {e}"))),
-            }
-        }
-        if self.heard.elapsed() >= self.peer_timeout {
-            return Err(self.lost(format!(
-                "no heartbeat from the receiver for {:.1} s (peer timeout)",
-                self.heard.elapsed().as_secs_f64()
-            )));
-        }
-        if self.sent.elapsed() >= rdmastream::transport::heartbeat_interval(self.peer_timeout) {
-            self.sent = Instant::now();
-            match self.side.write(&[0]) {
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(self.lost(format!("socket: {e}"))),
-            }
-        }
-        Ok(())
+        self.side_state
+            .check(&mut self.side, self.peer_timeout)
+            .map_err(|why| self.lost(why))
     }
 }
 
@@ -601,6 +517,6 @@ impl Connection for ShmConnection {
         self.check_socket()
     }
     fn take_notices(&mut self) -> Vec<Notice> {
-        std::mem::take(&mut self.notices)
+        self.side_state.take_notices()
     }
 }
