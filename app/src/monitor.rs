@@ -375,7 +375,7 @@ fn status_line(
     engine: &Engine,
     ready: bool,
 ) -> String {
-    let sum = |f: fn(&DeviceRow) -> u64| rows.iter().map(f).sum::<u64>();
+    let sum = |f: fn(&DeviceRow) -> u64| rows.iter().map(f).fold(0u64, u64::saturating_add);
     let (fps, mbps) = rows
         .iter()
         .fold((0.0, 0.0), |(f, m), r| (f + r.fps, m + r.mbps));
@@ -403,8 +403,8 @@ fn status_line(
             if ready { "connected" } else { "connecting" }
         )),
         Engine::Receiver(e) => {
-            let refused: u64 = e.refused.values().sum();
-            let invalid: u64 = e.invalid.values().sum();
+            let refused: u64 = e.refused.values().fold(0, |a, b| a.saturating_add(*b));
+            let invalid: u64 = e.invalid.values().fold(0, |a, b| a.saturating_add(*b));
             if refused > 0 {
                 line.push_str(&format!(" refused {refused}"));
             }
