@@ -252,8 +252,16 @@ fn engine_messages(
     connector: Box<dyn Connector>,
 ) -> f64 {
     let sink = Arc::new(CountingSink::default());
-    let receiver = ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone())
-        .expect("receiver");
+    // BENCH_POLL_MAX_US caps the receiver's idle sleep (default 500 µs), to see what it costs.
+    let mut receiver_opts = ReceiverOptions::default();
+    if let Some(us) = std::env::var("BENCH_POLL_MAX_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        receiver_opts.poll_max = Duration::from_micros(us);
+        receiver_opts.poll_min = receiver_opts.poll_min.min(receiver_opts.poll_max);
+    }
+    let receiver = ReceiverHandle::start(receiver_opts, listener, sink.clone()).expect("receiver");
     let opts = SenderOptions {
         name: "bench".into(),
         send_blocks: 8,
