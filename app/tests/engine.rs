@@ -8,9 +8,9 @@ use std::time::Duration;
 use rdmastream::engine::{
     DropPolicy, ReceiverHandle, ReceiverOptions, SenderHandle, SenderOptions,
 };
-use rdmastream::proto::Budget;
 use rdmastream::proto::handshake::Key;
 use rdmastream::proto::status;
+use rdmastream::proto::{BlockError, BlockHeader, Budget, NO_PTS, Placement};
 use rdmastream::stats::get;
 use rdmastream::transport::mem::MemFabric;
 use rdmastream::transport::tcp::{self, TcpConnector};
@@ -1213,4 +1213,246 @@ fn run_coalesced(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
     let alone = 3 * (frames + 2) + 3 * frames + 2;
     eprintln!("{blocks} blocks taken; without coalescing at least {alone}");
     assert!(blocks < alone, "{blocks} blocks: nothing was coalesced");
+}
+
+/// A receiver as it runs over a transport whose placement order is not guaranteed (verbs): every
+/// region its listener hands out says [`Placement::Unordered`], as a verbs region does, and
+/// otherwise is the inner transport's.
+struct UnorderedListener(Box<dyn Listener>);
+
+/// A frame as [`Collect`] records it: sender, device, frame index, bytes.
+type Delivered = (String, u8, u64, usize);
+
+/// A transport to try, by name: its listener and a connector to it.
+type Transport = (&'static str, Box<dyn Listener>, Box<dyn Connector>);
+
+struct UnorderedRegion(Arc<dyn rdmastream::transport::Region>);
+
+impl Listener for UnorderedListener {
+    fn transport(&self) -> &'static str {
+        self.0.transport()
+    }
+    fn local_addr(&self) -> String {
+        self.0.local_addr()
+    }
+    fn accept(
+        &mut self,
+        timeout: Duration,
+    ) -> rdmastream::Result<Option<rdmastream::transport::Accepted>> {
+        Ok(self.0.accept(timeout)?.map(|mut a| {
+            a.region = Arc::new(UnorderedRegion(a.region));
+            a
+        }))
+    }
+}
+
+impl rdmastream::transport::Region for UnorderedRegion {
+    fn layout(&self) -> rdmastream::proto::RemoteLayout {
+        self.0.layout()
+    }
+    fn placement(&self) -> Placement {
+        Placement::Unordered
+    }
+    fn status(&self, j: usize) -> u8 {
+        self.0.status(j)
+    }
+    fn set_status(&self, j: usize, value: u8) {
+        self.0.set_status(j, value)
+    }
+    fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8])) {
+        self.0.read_block(j, f)
+    }
+    fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+    fn disconnect(&self) {
+        self.0.disconnect()
+    }
+    fn retain(self: Arc<Self>, j: usize) -> rdmastream::transport::RetainedBlock {
+        self.0.clone().retain(j)
+    }
+    fn retained(&self) -> usize {
+        self.0.retained()
+    }
+    fn release(&self, j: usize) {
+        self.0.release(j)
+    }
+    fn abandon(&self, j: usize) {
+        self.0.abandon(j)
+    }
+    fn notify(&self, notice: rdmastream::transport::Notice) {
+        self.0.notify(notice)
+    }
+}
+
+/// Writes, by hand, blocks sealed over their header only and one whose header was changed after
+/// such a seal, waits until `want` of them were delivered or refused, and returns what the
+/// receiver made of them: frames delivered and invalid blocks by kind.
+fn header_sealed_blocks_into(
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+    want: u64,
+) -> (Vec<Delivered>, std::collections::BTreeMap<BlockError, u64>) {
+    use rdmastream::proto::header::flags;
+    let sink = Arc::new(Collect::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone()).unwrap();
+    let blocks = rdmastream::transport::SendBlocks::new(1, 256);
+    let mut conn = connector
+        .connect(&raw_hello("sealed"), Some(&key()), &blocks)
+        .unwrap();
+    let header = |packet: u16, flags: u8, len: u32| BlockHeader {
+        device: 1,
+        packet,
+        flags,
+        fragment_index: 0,
+        fragment_count: 1,
+        payload_len: len,
+        frame_index: packet as u64,
+        timestamp_ns: 0,
+        message_len: len,
+        duration_ns: 0,
+        pts_ns: NO_PTS,
+    };
+    // A format, then a frame, both sealed over their header only; then a frame whose header
+    // was changed after such a seal.
+    let format = b"application/octet-stream";
+    for (j, h, payload) in [
+        (
+            0,
+            header(0, flags::STREAM_START | flags::FORMAT, format.len() as u32),
+            &format[..],
+        ),
+        (1, header(1, 0, 3), &b"abc"[..]),
+    ] {
+        let mut block = vec![0u8; 256];
+        let used = h
+            .sealed_for(Placement::Ordered)
+            .encode_block(payload, &mut block);
+        write_raw_block(conn.as_mut(), j, 256, &block[..used]);
+    }
+    let mut torn = vec![0u8; 256];
+    let used = header(2, 0, 3)
+        .sealed_for(Placement::Ordered)
+        .encode_block(b"def", &mut torn);
+    torn[16] ^= 1; // the frame index, after the seal
+    write_raw_block(conn.as_mut(), 2, 256, &torn[..used]);
+    // Over tcp small writes wait in the connection until it is polled.
+    let mut done = Vec::new();
+    assert!(wait_until(Duration::from_secs(10), || {
+        conn.poll_completions(&mut done, Duration::from_millis(10))
+            .unwrap();
+        done.len() == 3
+    }));
+    let delivered = || !sink.frames.lock().unwrap().is_empty();
+    assert!(
+        wait_until(Duration::from_secs(10), || receiver.invalid().total()
+            + delivered() as u64
+            == want),
+        "{:?} {:?}",
+        receiver.invalid().all(),
+        sink.frames.lock().unwrap()
+    );
+    drop(conn);
+    let invalid = receiver.invalid().all();
+    receiver.stop();
+    let frames = sink.frames.lock().unwrap().clone();
+    (frames, invalid)
+}
+
+#[test]
+fn header_sealed_blocks_are_taken_over_tcp_shm_and_mem() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let fabric = MemFabric::new();
+    let tcp_listener = tcp::listen("127.0.0.1:0", settings(4, 256, vec![])).unwrap();
+    let tcp_addr = tcp_listener.local_addr();
+    let shm_listener = rdmastream_verbs::shm::listen(&path, settings(4, 256, vec![])).unwrap();
+    let shm_addr = shm_listener.local_addr();
+    let transports: Vec<Transport> = vec![
+        (
+            "mem",
+            Box::new(fabric.listen("rx", settings(4, 256, vec![]))),
+            Box::new(fabric.connector("rx")),
+        ),
+        (
+            "tcp",
+            Box::new(tcp_listener),
+            Box::new(TcpConnector::new(tcp_addr)),
+        ),
+        (
+            "shm",
+            Box::new(shm_listener),
+            Box::new(rdmastream_verbs::shm::ShmConnector::new(&shm_addr).unwrap()),
+        ),
+    ];
+    for (name, listener, connector) in transports {
+        assert_eq!(connector.placement(), Placement::Ordered, "{name}");
+        let (frames, invalid) = header_sealed_blocks_into(listener, connector, 2);
+        assert_eq!(frames, vec![("sealed".into(), 1, 1, 3)], "{name}");
+        // A header changed after its seal is still caught: the CRC32C covers the header.
+        assert_eq!(
+            invalid.into_iter().collect::<Vec<_>>(),
+            vec![(BlockError::BadSeal, 1)],
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn header_sealed_blocks_are_refused_where_placement_is_not_ordered() {
+    let fabric = MemFabric::new();
+    let listener = UnorderedListener(Box::new(fabric.listen("rx", settings(4, 256, vec![]))));
+    let (frames, invalid) =
+        header_sealed_blocks_into(Box::new(listener), Box::new(fabric.connector("rx")), 3);
+    assert_eq!(frames, vec![]);
+    assert_eq!(
+        invalid.into_iter().collect::<Vec<_>>(),
+        vec![(BlockError::WeakSeal, 3)]
+    );
+}
+
+#[test]
+fn a_sender_over_an_ordered_transport_seals_over_the_header_only() {
+    // The sender over mem seals as tcp and shm do; a receiver that allows only full seals (as
+    // over verbs) refuses its blocks by kind, which shows the sender's seal is the cheap one.
+    // (The other tests over mem, tcp and shm show those receivers take such blocks.)
+    let fabric = MemFabric::new();
+    let listener = UnorderedListener(Box::new(fabric.listen("rx", settings(4, 8192, vec![]))));
+    let sink = Arc::new(Collect::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "edge-a".into(),
+        key: Some(key()),
+        send_blocks: 3,
+        block_size: 8192,
+        ..Default::default()
+    };
+    let connector = fabric.connector("rx");
+    assert_eq!(connector.placement(), Placement::Ordered);
+    let s = SenderHandle::start(opts, Box::new(connector), 4).unwrap();
+    let t = stream_frames(
+        &s,
+        7,
+        SourceKind::RadarSynthetic {
+            size: 20_000,
+            rate: 1000.0,
+        },
+        3,
+    );
+    assert!(wait_until(Duration::from_secs(10), || {
+        receiver
+            .invalid()
+            .all()
+            .get(&BlockError::WeakSeal)
+            .is_some_and(|&n| n >= 3)
+    }));
+    let invalid = receiver.invalid().all();
+    drop(s);
+    let _ = t.join();
+    receiver.stop();
+    assert_eq!(sink.frames.lock().unwrap().len(), 0);
+    assert_eq!(invalid.len(), 1, "only weak seals: {invalid:?}");
 }

@@ -60,8 +60,8 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|small|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
-                     [--seconds S] [--rounds R] [--minutes M]\n       \
+const USAGE: &str = "usage: bench [throughput|small|engine-tcp|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
+                     [--seconds S] [--rounds R] [--minutes M] [--block BYTES]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
 
@@ -133,7 +133,7 @@ fn main() {
     // mistyped option would otherwise start a ten-minute soak).
     let mut opts = std::collections::HashMap::new();
     for pair in args[1.min(args.len())..].chunks(2) {
-        let known = ["--seconds", "--rounds", "--minutes"].contains(&pair[0].as_str());
+        let known = ["--seconds", "--rounds", "--minutes", "--block"].contains(&pair[0].as_str());
         match pair.get(1).and_then(|v| v.parse::<f64>().ok()) {
             Some(v) if known => opts.insert(pair[0].as_str(), v),
             _ => {
@@ -151,6 +151,24 @@ fn main() {
             small_messages(seconds);
         }
         "small" => small_messages(seconds),
+        // The engine over tcp alone, at one block size (default 1 MiB), for a profiler:
+        // `perf record -g target/release/bench engine-tcp --block 1048576 --seconds 5`.
+        "engine-tcp" => {
+            let block = opt("--block", 1048576.0) as usize;
+            let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
+            let addr = l.local_addr();
+            let rate = engine_rate(
+                block,
+                seconds,
+                Box::new(l),
+                Box::new(TcpConnector::new(addr)),
+            );
+            println!(
+                "engine tcp, {} blocks: {:.1} MB/s",
+                human(block),
+                rate / 1e6
+            );
+        }
         "verbs" => verbs(seconds),
         "frame-cpu" => frame_cpu(),
         "frame-instr" => frame_instr(opt("--rounds", 5.0) as usize),
@@ -234,8 +252,16 @@ fn engine_messages(
     connector: Box<dyn Connector>,
 ) -> f64 {
     let sink = Arc::new(CountingSink::default());
-    let receiver = ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone())
-        .expect("receiver");
+    // BENCH_POLL_MAX_US caps the receiver's idle sleep (default 500 µs), to see what it costs.
+    let mut receiver_opts = ReceiverOptions::default();
+    if let Some(us) = std::env::var("BENCH_POLL_MAX_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        receiver_opts.poll_max = Duration::from_micros(us);
+        receiver_opts.poll_min = receiver_opts.poll_min.min(receiver_opts.poll_max);
+    }
+    let receiver = ReceiverHandle::start(receiver_opts, listener, sink.clone()).expect("receiver");
     let opts = SenderOptions {
         name: "bench".into(),
         send_blocks: 8,
@@ -843,6 +869,9 @@ struct FrameSteps {
     block: Vec<u8>,
     copy: Vec<u8>,
     header: rdmastream::proto::BlockHeader,
+    /// A block sealed as over tcp and shm (CRC32C over the header only), and its header.
+    ordered_block: Vec<u8>,
+    ordered_header: rdmastream::proto::BlockHeader,
     /// The synthetic camera's frame as the source hands it over: rendered in place.
     camera: rdmastream::engine::FrameData,
 }
@@ -860,22 +889,25 @@ impl FrameSteps {
             .expect("camera")
             .frame(7)
             .data;
+        let header = BlockHeader {
+            device: 0,
+            packet: 0,
+            flags: 0,
+            fragment_index: 0,
+            fragment_count: 1,
+            payload_len: payload.len() as u32,
+            frame_index: 0,
+            timestamp_ns: 0,
+            message_len: payload.len() as u32,
+            duration_ns: 0,
+            pts_ns: NO_PTS,
+        };
         FrameSteps {
             block: vec![0u8; payload.len() + OVERHEAD],
             copy: vec![0u8; payload.len()],
-            header: BlockHeader {
-                device: 0,
-                packet: 0,
-                flags: 0,
-                fragment_index: 0,
-                fragment_count: 1,
-                payload_len: payload.len() as u32,
-                frame_index: 0,
-                timestamp_ns: 0,
-                message_len: payload.len() as u32,
-                duration_ns: 0,
-                pts_ns: NO_PTS,
-            },
+            header,
+            ordered_block: vec![0u8; payload.len() + OVERHEAD],
+            ordered_header: header.sealed_for(rdmastream::proto::Placement::Ordered),
             payload,
             camera,
         }
@@ -939,11 +971,40 @@ impl FrameSteps {
         rdmastream::proto::BlockHeader::decode_block(std::hint::black_box(&self.block), 255)
             .expect("valid");
     }
+
+    /// The copying path over tcp and shm: header + copy + seal over the header only.
+    #[inline(never)]
+    fn fill_copied_header_seal(&mut self) {
+        let used = self
+            .ordered_header
+            .write_header_and_payload(std::hint::black_box(&self.payload), &mut self.ordered_block);
+        self.ordered_header.seal(&mut self.ordered_block[..used]);
+    }
+
+    /// In place over tcp and shm, the payload already written: header + header seal.
+    #[inline(never)]
+    fn fill_in_place_header_seal(&mut self) {
+        let used = self
+            .ordered_header
+            .write_header_with(&mut self.ordered_block, |_| {});
+        self.ordered_header.seal(&mut self.ordered_block[..used]);
+    }
+
+    /// The receiver's validation over tcp and shm: decode + CRC32C over the header.
+    #[inline(never)]
+    fn receiver_check_header_seal(&mut self) {
+        rdmastream::proto::BlockHeader::decode_block_on(
+            std::hint::black_box(&self.ordered_block),
+            255,
+            rdmastream::proto::Placement::Ordered,
+        )
+        .expect("valid");
+    }
 }
 
 type Step = (&'static str, fn(&mut FrameSteps));
 
-const FRAME_STEPS: [Step; 7] = [
+const FRAME_STEPS: [Step; 10] = [
     ("payload copy (memcpy)", FrameSteps::plain_copy),
     (
         "filling copied: header + copy + CRC32C seal",
@@ -969,6 +1030,18 @@ const FRAME_STEPS: [Step; 7] = [
         "receiver: decode + CRC32C check",
         FrameSteps::receiver_check,
     ),
+    (
+        "filling copied, tcp/shm: header + copy + header seal",
+        FrameSteps::fill_copied_header_seal,
+    ),
+    (
+        "filling in place, tcp/shm: header + header seal",
+        FrameSteps::fill_in_place_header_seal,
+    ),
+    (
+        "receiver, tcp/shm: decode + header CRC32C check",
+        FrameSteps::receiver_check_header_seal,
+    ),
 ];
 
 /// The per-frame CPU work around the transport for one 640×480 RGB frame in one block: a plain
@@ -978,6 +1051,7 @@ const FRAME_STEPS: [Step; 7] = [
 fn frame_cpu() {
     let mut steps = FrameSteps::new();
     steps.fill_copied();
+    steps.fill_copied_header_seal();
     let median = |steps: &mut FrameSteps, f: fn(&mut FrameSteps)| {
         let mut t: Vec<f64> = (0..200)
             .map(|_| {
@@ -1015,6 +1089,7 @@ fn frame_cpu() {
 fn frame_instr(rounds: usize) {
     let mut steps = FrameSteps::new();
     steps.fill_copied();
+    steps.fill_copied_header_seal();
     for (step, f) in FRAME_STEPS {
         for _ in 0..rounds {
             f(&mut steps);

@@ -1,10 +1,11 @@
-//! The block codec on whatever a peer wrote into a memory block: decoding never panics, and a
-//! header that decodes, once sealed, decodes to the same header and payload. Both layouts: a
+//! The block codec on whatever a peer wrote into a memory block: decoding never panics, under
+//! either seal policy, and a header that decodes, once sealed, decodes to the same header and
+//! payload (a header-sealed one only where placement is ordered). Both layouts: a
 //! version 2 (coalesced) block that decodes is split into messages that lie inside the block, and
 //! re-encoding them gives back the same bytes.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use rdmastream::proto::BlockHeader;
+use rdmastream::proto::{BlockError, BlockHeader, Placement};
 use rdmastream::proto::coalesce::{
     decode_any, decode_coalesced, encode_coalesced, reseal_coalesced,
 };
@@ -12,13 +13,20 @@ use rdmastream::proto::coalesce::{
 fuzz_target!(|data: &[u8]| {
     let max_device = data.first().copied().unwrap_or(0);
     let _ = BlockHeader::decode_block(data, max_device);
+    let _ = BlockHeader::decode_block_on(data, max_device, Placement::Ordered);
     if let Ok(h) = BlockHeader::decode_header(data, max_device) {
         let mut block = data.to_vec();
         h.seal(&mut block);
-        let (again, payload) =
-            BlockHeader::decode_block(&block, max_device).expect("a sealed valid header decodes");
+        let (again, payload) = BlockHeader::decode_block_on(&block, max_device, Placement::Ordered)
+            .expect("a sealed valid header decodes");
         assert_eq!(again, h);
         assert_eq!(payload.len(), h.payload_len as usize);
+        let strict = BlockHeader::decode_block(&block, max_device);
+        if h.is_header_sealed() {
+            assert_eq!(strict.unwrap_err(), BlockError::WeakSeal);
+        } else {
+            assert_eq!(strict.expect("a fully sealed valid header decodes").0, h);
+        }
     }
     if let Ok(msgs) = decode_any(data, max_device) {
         assert!(!msgs.is_empty());

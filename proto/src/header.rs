@@ -36,8 +36,30 @@ pub mod flags {
     /// The device is lossless (`block` policy): the receiver frees the message's last block only
     /// once the message is durably handed on, and the sender keeps the message until then.
     pub const RELIABLE: u8 = 0x08;
+    /// The trailer's CRC32C covers the 48-byte header only, not the payload (the trailer still
+    /// repeats length, packet and device and ends in the magic). A sender sets it only where its
+    /// transport places a block's bytes whole and in order before the status byte
+    /// ([`super::Placement::Ordered`]: tcp, shm); a receiver on a transport that does not
+    /// guarantee that (verbs) rejects such a block ([`super::BlockError::WeakSeal`]). A property
+    /// of the block, not of the message: see docs/protocol.md, "Seal by transport".
+    pub const HEADER_SEAL: u8 = 0x10;
     /// All flags this version knows; a header with any other bit set is rejected.
-    pub const KNOWN: u8 = END_OF_STREAM | FORMAT | STREAM_START | RELIABLE;
+    pub const KNOWN: u8 = END_OF_STREAM | FORMAT | STREAM_START | RELIABLE | HEADER_SEAL;
+}
+
+/// What a transport guarantees about a memory block's bytes once its status byte reads FULL,
+/// and with it which seals are worth computing (sender) and accepted (receiver).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// The bytes of the data WRITE may be placed in any order, and a torn or half-placed block
+    /// can be seen (RDMA verbs: the spec promises visibility only at completion). Only blocks
+    /// sealed over header and payload are accepted.
+    Unordered,
+    /// The whole block is placed, in order, before the status byte that says FULL (tcp: the
+    /// receiver's transport thread applies each WRITE whole and in stream order; shm and mem:
+    /// the bytes are copied, then the status byte is stored with release ordering). Blocks sealed
+    /// over the header only ([`flags::HEADER_SEAL`]) are accepted too, and a sender seals so.
+    Ordered,
 }
 
 /// Decoded block header. One frame (or format descriptor, or end of stream) is a message of
@@ -91,6 +113,9 @@ pub enum BlockError {
     DeviceOutOfRange,
     /// Trailer does not repeat the header or its CRC32C does not match: a torn or stale block.
     BadSeal,
+    /// Sealed over the header only ([`flags::HEADER_SEAL`]) on a connection whose transport does
+    /// not place blocks whole and in order (verbs): its payload is not checked, so it is refused.
+    WeakSeal,
     /// A coalesced block (layout version 2) whose messages do not add up: count, lengths, a
     /// device's packets out of order, or a header that does not name its first message.
     BadCoalesced,
@@ -110,6 +135,7 @@ impl BlockError {
             BlockError::BadFragment => "bad-fragment",
             BlockError::DeviceOutOfRange => "device-out-of-range",
             BlockError::BadSeal => "bad-seal",
+            BlockError::WeakSeal => "weak-seal",
             BlockError::BadCoalesced => "bad-coalesced",
             BlockError::OverBudget => "over-memory-budget",
         }
@@ -179,10 +205,12 @@ impl BlockHeader {
         h[40..48].copy_from_slice(&self.pts_ns.to_le_bytes());
     }
 
-    /// Writes the trailer after a header and payload already in `block`.
+    /// Writes the trailer after a header and payload already in `block`. The CRC32C covers
+    /// header and payload, or the header alone when the header carries [`flags::HEADER_SEAL`]
+    /// (see [`Self::sealed_for`]).
     pub fn seal(&self, block: &mut [u8]) {
         let end = HEADER_LEN + self.payload_len as usize;
-        let crc = crc32c::crc32c(&block[..end]);
+        let crc = crc32c::crc32c(&block[..self.crc_end()]);
         let t = &mut block[end..end + TRAILER_LEN];
         t[0..4].copy_from_slice(&self.payload_len.to_le_bytes());
         t[4..6].copy_from_slice(&self.packet.to_le_bytes());
@@ -191,14 +219,55 @@ impl BlockHeader {
         t[8..12].copy_from_slice(&crc.to_le_bytes());
     }
 
-    /// Decodes and checks a block: header fields, bounds, and the seal (trailer repeats
-    /// length, packet and device; CRC32C over header and payload). Returns the header and the
-    /// payload slice. `max_device` is the highest device number the receiver accepts.
+    /// This header as a sender over a transport with `placement` writes it: with
+    /// [`flags::HEADER_SEAL`] where the transport places blocks whole and in order (the payload
+    /// then goes unchecksummed), without it elsewhere.
+    pub fn sealed_for(mut self, placement: Placement) -> BlockHeader {
+        match placement {
+            Placement::Ordered => self.flags |= flags::HEADER_SEAL,
+            Placement::Unordered => self.flags &= !flags::HEADER_SEAL,
+        }
+        self
+    }
+
+    /// True when the trailer's CRC32C covers the header only.
+    pub fn is_header_sealed(&self) -> bool {
+        self.flags & flags::HEADER_SEAL != 0
+    }
+
+    /// End of the bytes the CRC32C covers.
+    fn crc_end(&self) -> usize {
+        if self.is_header_sealed() {
+            HEADER_LEN
+        } else {
+            HEADER_LEN + self.payload_len as usize
+        }
+    }
+
+    /// Decodes and checks a block as a receiver on a transport without ordered placement
+    /// (verbs) must: header fields, bounds, and the seal (trailer repeats length, packet and
+    /// device; CRC32C over header and payload). A block sealed over its header only is refused
+    /// ([`BlockError::WeakSeal`]). Returns the header and the payload slice. `max_device` is the
+    /// highest device number the receiver accepts.
     pub fn decode_block(block: &[u8], max_device: u8) -> Result<(BlockHeader, &[u8]), BlockError> {
+        Self::decode_block_on(block, max_device, Placement::Unordered)
+    }
+
+    /// [`Self::decode_block`] for a receiver whose transport guarantees `placement`: with
+    /// [`Placement::Ordered`] a block sealed over its header only is accepted too (its CRC32C
+    /// then covers the header, and the trailer still repeats length, packet and device).
+    pub fn decode_block_on(
+        block: &[u8],
+        max_device: u8,
+        placement: Placement,
+    ) -> Result<(BlockHeader, &[u8]), BlockError> {
         let h = Self::decode_header(block, max_device)?;
+        if h.is_header_sealed() && placement == Placement::Unordered {
+            return Err(BlockError::WeakSeal);
+        }
         let end = HEADER_LEN + h.payload_len as usize;
         let t = &block[end..end + TRAILER_LEN];
-        let crc = crc32c::crc32c(&block[..end]);
+        let crc = crc32c::crc32c(&block[..h.crc_end()]);
         if t[0..4] != h.payload_len.to_le_bytes()
             || t[4..6] != h.packet.to_le_bytes()
             || t[6] != h.device
@@ -406,6 +475,87 @@ mod tests {
         check(&|b| b[53] ^= 1, BlockError::BadSeal, 255);
         // A zeroed block (never written) is not a valid block.
         assert!(BlockHeader::decode_block(&[0u8; 72], 255).is_err());
+    }
+
+    #[test]
+    fn a_header_sealed_block_is_accepted_only_where_placement_is_ordered() {
+        let h = sample().sealed_for(Placement::Ordered);
+        assert!(h.is_header_sealed());
+        let mut block = vec![0xEE; 128];
+        h.encode_block(b"hello", &mut block);
+        assert_eq!(block[4], flags::HEADER_SEAL);
+        // The CRC32C covers the 48 header bytes only.
+        assert_eq!(
+            &block[56 + 5..60 + 5],
+            &crc32c::crc32c(&block[..HEADER_LEN]).to_le_bytes()
+        );
+        let (d, p) = BlockHeader::decode_block_on(&block, 255, Placement::Ordered).unwrap();
+        assert_eq!((d, p), (h, &b"hello"[..]));
+        assert_eq!(
+            BlockHeader::decode_block_on(&block, 255, Placement::Unordered).unwrap_err(),
+            BlockError::WeakSeal
+        );
+        assert_eq!(
+            BlockHeader::decode_block(&block, 255).unwrap_err(),
+            BlockError::WeakSeal
+        );
+        // A fully sealed block is accepted under both policies.
+        let full = sample().sealed_for(Placement::Unordered);
+        let mut block = vec![0xEE; 128];
+        full.encode_block(b"hello", &mut block);
+        for placement in [Placement::Ordered, Placement::Unordered] {
+            assert_eq!(
+                BlockHeader::decode_block_on(&block, 255, placement)
+                    .unwrap()
+                    .1,
+                b"hello"
+            );
+        }
+    }
+
+    #[test]
+    fn a_header_sealed_block_catches_every_flip_outside_the_payload() {
+        let h = sample().sealed_for(Placement::Ordered);
+        let mut block = vec![0; OVERHEAD + 5];
+        h.encode_block(b"hello", &mut block);
+        let payload = HEADER_LEN..HEADER_LEN + 5;
+        for i in 0..block.len() {
+            let mut bad = block.clone();
+            bad[i] ^= 0x10;
+            let r = BlockHeader::decode_block_on(&bad, 255, Placement::Ordered);
+            if payload.contains(&i) {
+                // What the ordered transports make unnecessary: the payload is not checksummed.
+                assert_eq!(
+                    r.unwrap().1[i - HEADER_LEN],
+                    b"hello"[i - HEADER_LEN] ^ 0x10
+                );
+            } else {
+                assert!(r.is_err(), "flip at byte {i} not caught");
+            }
+        }
+        // Clearing the flag (a header-sealed block passed off as fully sealed) fails the CRC.
+        let mut bad = block.clone();
+        bad[4] &= !flags::HEADER_SEAL;
+        assert_eq!(
+            BlockHeader::decode_block_on(&bad, 255, Placement::Unordered).unwrap_err(),
+            BlockError::BadSeal
+        );
+    }
+
+    #[test]
+    fn a_header_sealed_block_with_a_lying_length_stays_in_bounds() {
+        // Lengths come from the (checked) header, never from the payload: a header whose payload
+        // length runs past the block is refused before anything is read, sealed or not.
+        let mut h = sample().sealed_for(Placement::Ordered);
+        h.payload_len = 1000;
+        h.message_len = 1000;
+        let mut block = vec![0; 2000];
+        h.encode_block(&[7; 1000], &mut block);
+        block.truncate(200);
+        assert_eq!(
+            BlockHeader::decode_block_on(&block, 255, Placement::Ordered).unwrap_err(),
+            BlockError::LengthOverBlock
+        );
     }
 
     #[test]

@@ -30,7 +30,8 @@ pub use coalesce::{Batch, Coalescer, SubMessage, decode_any};
 pub use filling::{Added, FillingMachine, FramePlan, Message};
 pub use format::Format;
 pub use header::{
-    BlockError, BlockHeader, HEADER_LEN, NO_PTS, OVERHEAD, TRAILER_LEN, payload_capacity, status,
+    BlockError, BlockHeader, HEADER_LEN, NO_PTS, OVERHEAD, Placement, TRAILER_LEN,
+    payload_capacity, status,
 };
 pub use packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range};
 pub use reorder::{DeviceStream, Frame, Limits, Packet, ReorderConfig, ReorderStats, StreamEvent};

@@ -409,7 +409,9 @@ impl DeviceStream {
         let consistent = a.next_fragment == h.fragment_index
             && a.first.fragment_count == h.fragment_count
             && a.first.frame_index == h.frame_index
-            && (a.first.flags ^ h.flags) & !crate::header::flags::STREAM_START == 0
+            && (a.first.flags ^ h.flags)
+                & !(crate::header::flags::STREAM_START | crate::header::flags::HEADER_SEAL)
+                == 0
             && a.first.message_len == h.message_len
             && a.data.len() + p.payload.len() <= h.message_len as usize;
         if !consistent {

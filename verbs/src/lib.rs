@@ -328,6 +328,11 @@ impl Connector for VerbsConnector {
         "verbs"
     }
 
+    /// The NIC may place a WRITE's bytes in any order; only completion promises them all.
+    fn placement(&self) -> rdmastream::proto::Placement {
+        rdmastream::proto::Placement::Unordered
+    }
+
     fn connect_window(
         &self,
         hello: &Hello,
@@ -952,6 +957,10 @@ impl VerbsRegion {
 impl Region for VerbsRegion {
     fn layout(&self) -> RemoteLayout {
         self.layout
+    }
+    /// The NIC may place a WRITE's bytes in any order: blocks must be sealed over their payload.
+    fn placement(&self) -> rdmastream::proto::Placement {
+        rdmastream::proto::Placement::Unordered
     }
     fn status(&self, j: usize) -> u8 {
         self.statuses.atomic_bytes()[j].load(Ordering::Acquire)

@@ -94,7 +94,9 @@ impl ShmRegion {
         // is done with the block and every slice of it is gone — a retained block's slice lives
         // in its `RetainedBlock`, whose drop stores the 0). So no write reaches these bytes while
         // the slice lives. A sender that breaks the protocol can change bytes of its own region
-        // only (its own memfd); the seal check rejects what it tears, as over verbs.
+        // only (its own memfd); the seal check rejects a header or trailer it tears (blocks over
+        // shm are sealed over their header only: a payload it tears is its own, untrusted bytes,
+        // and every length was taken from the checked header).
         unsafe { self.mapping.bytes(self.blocks_at + j * b, b) }
     }
 }
@@ -102,6 +104,10 @@ impl ShmRegion {
 impl Region for ShmRegion {
     fn layout(&self) -> RemoteLayout {
         self.layout
+    }
+    /// The sender copies a block's bytes, then stores its status byte with release ordering.
+    fn placement(&self) -> rdmastream::proto::Placement {
+        rdmastream::proto::Placement::Ordered
     }
     fn status(&self, j: usize) -> u8 {
         self.mapping.status(j).load(Ordering::Acquire)
@@ -295,6 +301,11 @@ impl ShmConnector {
 impl Connector for ShmConnector {
     fn transport(&self) -> &'static str {
         "shm"
+    }
+
+    /// The sending thread copies the block, then stores its status byte with release ordering.
+    fn placement(&self) -> rdmastream::proto::Placement {
+        rdmastream::proto::Placement::Ordered
     }
 
     /// The baseline is measured over tcp and verbs, where the paper compares it; over shared

@@ -107,6 +107,15 @@ pub struct InvalidCounts {
 impl InvalidCounts {
     fn record(&self, e: BlockError, sender: &str, peer: &str) {
         *self.counts.lock().entry(e).or_insert(0) += 1;
+        if e == BlockError::WeakSeal {
+            // Not a torn block: a sender that seals for an ordered transport (tcp, shm) on one
+            // that is not (verbs) — a broken or hostile peer. Say so, once per sender.
+            crate::warn_limited!(
+                format!("invalid-{e}-{sender}"),
+                "invalid block ({e}) from sender '{sender}' at {peer}: sealed over its header only, which this transport does not allow (its placement order is not guaranteed); freed and counted"
+            );
+            return;
+        }
         crate::warn_limited!(
             format!("invalid-{e}-{sender}"),
             "invalid block ({e}) from sender '{sender}' at {peer}; freed and counted"
@@ -575,7 +584,8 @@ fn take_single(
     memory: &Arc<Budget>,
 ) -> std::result::Result<Packet, BlockError> {
     let (header, range) = {
-        let (h, payload) = BlockHeader::decode_block(&held, max_device)?;
+        // Over tcp and shm a block may be sealed over its header only; over verbs it may not.
+        let (h, payload) = BlockHeader::decode_block_on(&held, max_device, region.placement())?;
         (h, HEADER_LEN..HEADER_LEN + payload.len())
     };
     if header.is_reliable() && header.is_last_fragment() {

@@ -21,8 +21,8 @@ use crate::error::{Error, Result, spawn};
 use crate::proto::coalesce::{self, Batch, Coalescer};
 use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
-    Added, Delivery, FillingMachine, Message, MessageKind, MessageTimes, NO_PTS, SenderMachine,
-    SenderStats, fragment_range,
+    Added, Delivery, FillingMachine, Message, MessageKind, MessageTimes, NO_PTS, Placement,
+    SenderMachine, SenderStats, fragment_range,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
 use crate::transport::{Connection, Connector, SendBlocks};
@@ -278,6 +278,9 @@ impl SenderHandle {
             } else {
                 opts.coalesce_wait
             };
+            // Blocks are sealed when filled, for whichever connection takes them: the
+            // connector's transport decides how (docs/protocol.md, "Seal by transport").
+            let placement = connector.placement();
             spawn("filling", move || {
                 filling_thread(
                     blocks,
@@ -288,6 +291,7 @@ impl SenderHandle {
                     first_packet,
                     drops,
                     coalesce_wait,
+                    placement,
                 )
             })?
         };
@@ -422,6 +426,7 @@ fn filling_thread(
     first_packet: u16,
     drops: Arc<AtomicU64>,
     coalesce_wait: Duration,
+    placement: Placement,
 ) -> u64 {
     let mut coalescer = Coalescer::new(blocks.block_size(), coalesce_wait);
     let lost = std::cell::Cell::new(0);
@@ -435,6 +440,7 @@ fn filling_thread(
         drops,
         &mut coalescer,
         &lost,
+        placement,
     );
     let held = coalescer.flush().unwrap_or_default();
     lost.get() + frames_in(&held).len() as u64
@@ -451,6 +457,7 @@ fn filling_loop(
     drops: Arc<AtomicU64>,
     coalescer: &mut Coalescer<Vec<u8>>,
     lost: &std::cell::Cell<u64>,
+    placement: Placement,
 ) {
     let block_size = blocks.block_size();
     let mut machine = FillingMachine::new(block_size, blocks.count(), first_packet);
@@ -517,6 +524,9 @@ fn filling_loop(
         for (k, h) in msg.headers.into_iter().enumerate() {
             let Some(i) = take_free() else { return false };
             let range = fragment_range(k, payload.len(), block_size);
+            // Over tcp and shm the CRC32C covers the header only: those transports place the
+            // whole block before its status byte (coalesced blocks, small, keep the full seal).
+            let h = h.sealed_for(placement);
             let len = blocks.fill(i, |b| {
                 let used = h.write_header_with(b, |dst| payload.write(range.start, dst));
                 h.seal(b);

@@ -88,6 +88,10 @@ impl Connector for MemConnector {
     fn transport(&self) -> &'static str {
         "mem"
     }
+    /// Each WRITE is a copy into the region, applied in chain order.
+    fn placement(&self) -> crate::proto::Placement {
+        crate::proto::Placement::Ordered
+    }
     fn connect_window(
         &self,
         _: &Hello,

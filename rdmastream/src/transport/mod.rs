@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::error::Result;
 use crate::proto::handshake::{Hello, Key, Mechanism};
 use crate::proto::window::Immediate;
-use crate::proto::{RemoteLayout, Reservation};
+use crate::proto::{Placement, RemoteLayout, Reservation};
 
 pub use access::{AccessControl, Keys, Lease};
 pub use region::{
@@ -409,6 +409,13 @@ pub fn heartbeat_interval(timeout: Duration) -> Duration {
 pub trait Connector: Send {
     /// Transport name, for logs.
     fn transport(&self) -> &'static str;
+    /// Whether this transport places a block's bytes whole and in order before the status
+    /// byte that follows them ([`Placement::Ordered`]: the sender then seals blocks over their
+    /// header only) or not ([`Placement::Unordered`], verbs: header and payload). Fixed for
+    /// the connector's life, since blocks are sealed when filled, before any connection takes
+    /// them. No default: a wrapper that forgot to pass it on would seal verbs blocks weakly
+    /// (refused by every verbs receiver) or pay for the full seal where it buys nothing.
+    fn placement(&self) -> Placement;
     /// Peer description, for logs.
     fn peer(&self) -> String;
     /// Connects and hands the receiver `hello` (its nonce is filled in fresh), proving

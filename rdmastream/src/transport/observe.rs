@@ -50,6 +50,9 @@ impl Connector for ObservedConnector {
     fn transport(&self) -> &'static str {
         self.inner.transport()
     }
+    fn placement(&self) -> crate::proto::Placement {
+        self.inner.placement()
+    }
     fn peer(&self) -> String {
         self.inner.peer()
     }

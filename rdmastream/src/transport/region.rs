@@ -19,6 +19,11 @@ use crate::proto::{RemoteLayout, Reservation, status};
 pub trait Region: Send + Sync {
     /// Number and size of the memory blocks.
     fn layout(&self) -> RemoteLayout;
+    /// What the transport guarantees about a block's bytes once its status byte reads FULL,
+    /// and with it which seals the receiver accepts (see [`crate::proto::Placement`]). No
+    /// default: a region that forgot to say would either refuse every tcp/shm block or let
+    /// verbs blocks through with their payload unchecked.
+    fn placement(&self) -> crate::proto::Placement;
     /// Status byte of block `j` (acquire).
     fn status(&self, j: usize) -> u8;
     /// Stores the status byte of block `j` (release).
@@ -460,6 +465,11 @@ impl SoftRegion {
 impl Region for SoftRegion {
     fn layout(&self) -> RemoteLayout {
         self.layout
+    }
+    /// tcp and mem: every WRITE is applied whole (under the block's lock) before the next
+    /// operation of the connection, and the status byte is stored with release ordering after.
+    fn placement(&self) -> crate::proto::Placement {
+        crate::proto::Placement::Ordered
     }
     fn status(&self, j: usize) -> u8 {
         self.statuses[j].load(Ordering::Acquire)

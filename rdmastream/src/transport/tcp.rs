@@ -549,6 +549,11 @@ impl Connector for TcpConnector {
     fn transport(&self) -> &'static str {
         "tcp"
     }
+    /// The receiver's transport thread applies a WRITE only from the whole of its data, in
+    /// stream order, so the status WRITE after it lands after every byte of the block.
+    fn placement(&self) -> crate::proto::Placement {
+        crate::proto::Placement::Ordered
+    }
     fn peer(&self) -> String {
         self.addr.clone()
     }
