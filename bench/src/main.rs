@@ -261,6 +261,13 @@ fn engine_messages(
         receiver_opts.poll_max = Duration::from_micros(us);
         receiver_opts.poll_min = receiver_opts.poll_min.min(receiver_opts.poll_max);
     }
+    // BENCH_POLL_SPIN_US sets how long it yields after a block before sleeping (default 50 µs).
+    if let Some(us) = std::env::var("BENCH_POLL_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        receiver_opts.poll_spin = Duration::from_micros(us);
+    }
     let receiver = ReceiverHandle::start(receiver_opts, listener, sink.clone()).expect("receiver");
     let opts = SenderOptions {
         name: "bench".into(),

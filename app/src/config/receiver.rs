@@ -70,6 +70,8 @@ pub struct ReceiverConfig {
     pub poll_min_us: u64,
     #[serde(default = "d_poll_max")]
     pub poll_max_us: u64,
+    #[serde(default = "d_poll_spin")]
+    pub poll_spin_us: u64,
     #[serde(default = "d_status")]
     pub status_interval: f64,
     /// `address:port` to serve /metrics, /healthz, /readyz (and the receiver's status page)
@@ -173,6 +175,9 @@ fn d_poll_min() -> u64 {
 }
 fn d_poll_max() -> u64 {
     500
+}
+fn d_poll_spin() -> u64 {
+    50
 }
 fn d_status() -> f64 {
     1.0
@@ -406,6 +411,7 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
             },
             poll_min: Duration::from_micros(cfg.poll_min_us),
             poll_max: Duration::from_micros(cfg.poll_max_us),
+            poll_spin: Duration::from_micros(cfg.poll_spin_us),
             gone_after: Duration::from_secs_f64(cfg.sender_gone_after),
         },
         sink: DirectorySinkOptions {

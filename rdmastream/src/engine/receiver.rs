@@ -67,6 +67,10 @@ pub struct ReceiverOptions {
     /// Sleep between status scans when idle: starts at `poll_min`, doubles up to `poll_max`.
     pub poll_min: Duration,
     pub poll_max: Duration,
+    /// For this long after a block was taken, the polling thread yields instead of sleeping
+    /// (the next block of a busy stream is usually close behind, and a sleep of even `poll_min`
+    /// costs the kernel's timer slack on top); zero: sleep at once.
+    pub poll_spin: Duration,
     /// A sender without a connection for this long counts as gone (it will not end its
     /// streams): see [`ReceiverHandle::all_senders_ended`].
     pub gone_after: Duration,
@@ -80,6 +84,7 @@ impl Default for ReceiverOptions {
             limits: Limits::default(),
             poll_min: Duration::from_micros(20),
             poll_max: Duration::from_micros(500),
+            poll_spin: Duration::from_micros(50),
             gone_after: crate::transport::DEFAULT_PEER_TIMEOUT,
         }
     }
@@ -434,6 +439,7 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
     let n = region.layout().blocks;
     let mut scanner = BlockScanner::default();
     let mut idle = shared.opts.poll_min;
+    let mut last_block = Instant::now();
     // Keep at least half the blocks for the sender: beyond that, payloads are copied.
     let zero_copy_limit = n / 2;
     let mut copy_logged = false;
@@ -461,6 +467,7 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
                 Err(e) => shared.invalid.record(e, &name, &peer),
             }
             idle = shared.opts.poll_min;
+            last_block = Instant::now();
             continue;
         }
         if let (Some(j), false) = (full, room) {
@@ -493,6 +500,10 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         if memory_wait.is_none() && now >= next_timeout_check {
             check_timeouts(&shared, &name, now);
             next_timeout_check = now + Duration::from_millis(10);
+        }
+        if now.duration_since(last_block) < shared.opts.poll_spin {
+            std::thread::yield_now();
+            continue;
         }
         std::thread::sleep(idle);
         idle = (idle * 2).min(shared.opts.poll_max);
