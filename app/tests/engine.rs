@@ -1023,22 +1023,6 @@ impl rdmastream::engine::FrameWriter for Rendered {
 #[test]
 fn frames_written_in_place_and_copied_arrive_bit_exact_including_fragmented_ones() {
     use rdmastream::engine::{FrameData, SourceFrame};
-    #[derive(Default)]
-    struct Hoard(std::sync::Mutex<Vec<(u64, rdmastream::bytes::Bytes)>>);
-    impl rdmastream::engine::FrameSink for Hoard {
-        fn handle(
-            &self,
-            _: &rdmastream::engine::StreamKey,
-            _: u64,
-            _: &Arc<rdmastream::stats::DeviceCounters>,
-            event: rdmastream::proto::StreamEvent,
-        ) {
-            rdmastream::proto::ack::settle(event.ack());
-            if let rdmastream::proto::StreamEvent::Frame(f) = event {
-                self.0.lock().unwrap().push((f.index, f.data));
-            }
-        }
-    }
     const BLOCK: usize = 4096;
     let cap = rdmastream::proto::payload_capacity(BLOCK);
     let fabric = MemFabric::new();
@@ -1455,4 +1439,161 @@ fn a_sender_over_an_ordered_transport_seals_over_the_header_only() {
     receiver.stop();
     assert_eq!(sink.frames.lock().unwrap().len(), 0);
     assert_eq!(invalid.len(), 1, "only weak seals: {invalid:?}");
+}
+
+/// Frames written into reserved send blocks ([`DeviceInput::reserve`]) and committed arrive
+/// bit-exact and in order between frames pushed as bytes; an abandoned reservation frees its
+/// block; reservations beyond one block or beyond all blocks but one are refused.
+///
+/// [`DeviceInput::reserve`]: rdmastream::engine::DeviceInput::reserve
+#[test]
+fn reserved_frames_arrive_bit_exact_in_order_with_pushed_ones_over_mem() {
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 4096, vec![]));
+    run_reserved(Box::new(listener), Box::new(fabric.connector("rx")));
+}
+
+#[test]
+fn reserved_frames_arrive_bit_exact_in_order_with_pushed_ones_over_tcp() {
+    let listener = tcp::listen("127.0.0.1:0", settings(4, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    run_reserved(Box::new(listener), Box::new(TcpConnector::new(addr)));
+}
+
+/// Collects every frame (index, bytes) a receiver hands on.
+#[derive(Default)]
+struct Hoard(std::sync::Mutex<Vec<(u64, rdmastream::bytes::Bytes)>>);
+
+impl rdmastream::engine::FrameSink for Hoard {
+    fn handle(
+        &self,
+        _: &rdmastream::engine::StreamKey,
+        _: u64,
+        _: &Arc<rdmastream::stats::DeviceCounters>,
+        event: rdmastream::proto::StreamEvent,
+    ) {
+        rdmastream::proto::ack::settle(event.ack());
+        if let rdmastream::proto::StreamEvent::Frame(f) = event {
+            self.0.lock().unwrap().push((f.index, f.data));
+        }
+    }
+}
+
+fn meta(index: u64) -> rdmastream::engine::FrameMeta {
+    rdmastream::engine::FrameMeta {
+        index,
+        timestamp_ns: 1,
+        duration_ns: 0,
+        pts_ns: Some(index * 10),
+        format: "application/octet-stream".into(),
+    }
+}
+
+fn run_reserved(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
+    use rdmastream::engine::{NotReserved, SourceFrame};
+    const BLOCK: usize = 4096;
+    const BLOCKS: usize = 4;
+    let cap = rdmastream::proto::payload_capacity(BLOCK);
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone()).unwrap();
+    let opts = SenderOptions {
+        name: "reserved".into(),
+        key: Some(key()),
+        send_blocks: BLOCKS,
+        block_size: BLOCK,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, connector, 4).unwrap();
+    let input = s.add_device(3, DropPolicy::Block);
+    let wait = Duration::from_secs(10);
+    assert_eq!(
+        input.reserve(cap + 1, wait).unwrap_err(),
+        NotReserved::TooLarge
+    );
+    // All blocks but one can be reserved at once; the last stays the filling thread's.
+    let held: Vec<_> = (0..BLOCKS - 1)
+        .map(|_| input.reserve(100, wait).unwrap())
+        .collect();
+    assert_eq!(
+        input.reserve(100, Duration::from_millis(50)).unwrap_err(),
+        NotReserved::Busy
+    );
+    drop(held);
+    let lens = [cap, 1000, 0, 1, cap - 1, 333];
+    let mut want = Vec::new();
+    for index in 0..30u64 {
+        let len = lens[index as usize % lens.len()];
+        let bytes = Rendered::bytes(index as u8, len);
+        if index % 3 == 0 {
+            assert!(input.push(SourceFrame {
+                index,
+                timestamp_ns: 1,
+                duration_ns: 0,
+                pts_ns: Some(index * 10),
+                format: "application/octet-stream".into(),
+                data: bytes.clone().into(),
+            }));
+        } else {
+            if index % 5 == 0 {
+                // Abandoned: its block must come back, or the sender runs out of blocks.
+                let mut r = input.reserve(len, wait).unwrap();
+                r.payload_mut().fill(0xEE);
+            }
+            let mut r = input.reserve(len, wait).unwrap();
+            assert_eq!(r.payload().len(), len);
+            r.payload_mut().copy_from_slice(&bytes);
+            assert!(r.commit(meta(index)));
+        }
+        want.push((index, bytes));
+    }
+    input.end();
+    assert_eq!(s.finish(Duration::from_secs(20)).unwrap().unsent, 0);
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    let got = sink.0.lock().unwrap();
+    assert_eq!(got.len(), want.len());
+    for ((index, data), (want_index, want_bytes)) in got.iter().zip(&want) {
+        assert_eq!(index, want_index);
+        assert_eq!(&data[..], &want_bytes[..], "frame {index}");
+    }
+    drop(got);
+    receiver.stop();
+}
+
+/// A reservation still outstanding when its device ends does not hold the sender up: it
+/// finishes, the late commit is refused, and reserving after the stop says so.
+#[test]
+fn a_sender_finishes_with_a_reservation_outstanding() {
+    use rdmastream::engine::NotReserved;
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 4096, vec![]));
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "outstanding".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: 4096,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
+    let input = s.add_device(1, DropPolicy::Block);
+    let mut first = input.reserve(10, Duration::from_secs(10)).unwrap();
+    first.payload_mut().copy_from_slice(b"0123456789");
+    assert!(first.commit(meta(0)));
+    let outstanding = input.reserve(10, Duration::from_secs(10)).unwrap();
+    input.end();
+    let started = std::time::Instant::now();
+    assert_eq!(s.finish(Duration::from_secs(20)).unwrap().unsent, 0);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    assert_eq!(sink.0.lock().unwrap().len(), 1);
+    assert!(!outstanding.commit(meta(1)));
+    assert_eq!(
+        input.reserve(10, Duration::from_secs(1)).unwrap_err(),
+        NotReserved::Stopped
+    );
+    receiver.stop();
 }

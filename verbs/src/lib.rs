@@ -45,9 +45,9 @@ use rdmastream::transport::tcp::{
     Admitted, SideChannelListener, client_handshake, server_handshake,
 };
 use rdmastream::transport::{
-    Accepted, Completion, Connection, Connector, HeldBytes, Kind, Notice, NoticeQueue, Refusal,
-    RefusalKind, Region, RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock, SendBlocks,
-    Target, WorkCounter, WorkCounts, WriteSource, WriteWr,
+    Accepted, Completion, Connection, Connector, HeldBytes, Kind, LeasedBlock, Notice, NoticeQueue,
+    Refusal, RefusalKind, Region, RegionSettings, RegisteredBlocks, RemoteAddr, RetainedBlock,
+    SendBlocks, Target, WorkCounter, WorkCounts, WriteSource, WriteWr,
 };
 
 /// Work requests this process posted (RDMA WRITEs and READs). A receiver reports it: it must
@@ -253,7 +253,8 @@ fn endpoint(q: &QpInfo) -> QpEndpoint {
 struct VerbsSendBlocks {
     mr: Arc<MemoryRegion>,
     block_size: usize,
-    locks: Box<[Mutex<()>]>,
+    /// One lock per block, shared with the leases of [`RegisteredBlocks::lease_block`].
+    locks: Box<[Arc<Mutex<()>>]>,
 }
 
 impl VerbsSendBlocks {
@@ -277,6 +278,38 @@ impl RegisteredBlocks for VerbsSendBlocks {
         let _guard = self.locks[i].lock();
         // SAFETY: as in `fill_block`: the lock excludes the filling thread, the NIC only reads.
         f(unsafe { self.mr.range(self.range(i, len)) })
+    }
+
+    fn lease_block(&self, i: usize) -> Box<dyn LeasedBlock> {
+        Box::new(VerbsLease {
+            _guard: self.locks[i].lock_arc(),
+            mr: self.mr.clone(),
+            range: self.range(i, self.block_size),
+        })
+    }
+}
+
+/// Send block `range` of `mr`, taken by a source (an engine reservation) while it writes a
+/// frame in place; the lock is the block's own, so `fill_block` and `read_block` wait for it.
+struct VerbsLease {
+    _guard: parking_lot::ArcMutexGuard<parking_lot::RawMutex, ()>,
+    mr: Arc<MemoryRegion>,
+    range: Range<usize>,
+}
+
+impl LeasedBlock for VerbsLease {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the guard holds block `range`'s lock for the lease's whole life, so no
+        // `fill_block`/`read_block` runs over it; its index was taken from the free list, so the
+        // sending thread has not posted it and the NIC does not read it (it is handed to the
+        // filling thread only after the lease is dropped). `mr` keeps the memory alive.
+        unsafe { self.mr.range(self.range.clone()) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`; `&mut self` makes this the only reference from the lease, and
+        // the lock excludes every other CPU reference to the block.
+        unsafe { self.mr.range_mut(self.range.clone()) }
     }
 }
 
@@ -393,7 +426,7 @@ impl Connector for VerbsConnector {
                     e,
                 )
             })?;
-        let locks = (0..count).map(|_| Mutex::new(())).collect();
+        let locks = (0..count).map(|_| Arc::new(Mutex::new(()))).collect();
         let mr = Arc::new(mr);
         *self.send_mr.lock() = Some(mr.clone());
         Ok(SendBlocks::registered(

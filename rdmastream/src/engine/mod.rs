@@ -8,7 +8,9 @@ pub mod sender;
 
 pub use driver::{Driver, Turn};
 pub use receiver::{FrameSink, ReceiverHandle, ReceiverOptions, StreamKey};
-pub use sender::{DeviceInput, DropPolicy, SenderHandle, SenderOptions, SenderReport};
+pub use sender::{
+    DeviceInput, DropPolicy, NotReserved, Reservation, SenderHandle, SenderOptions, SenderReport,
+};
 
 use std::sync::Arc;
 
@@ -27,6 +29,22 @@ pub struct SourceFrame {
     pub format: std::sync::Arc<str>,
     /// The frame's bytes, or how to render them straight into the send blocks.
     pub data: FrameData,
+}
+
+/// What a frame carries besides its bytes: for a frame written in place into a reserved send
+/// block ([`Reservation::commit`]).
+#[derive(Debug, Clone)]
+pub struct FrameMeta {
+    /// Per-device frame index, from 0.
+    pub index: u64,
+    /// Capture time, ns since the UNIX epoch.
+    pub timestamp_ns: u64,
+    /// Frame duration in ns (0 when unknown).
+    pub duration_ns: u32,
+    /// Presentation timestamp in ns, carried to the receiver.
+    pub pts_ns: Option<u64>,
+    /// Format descriptor (caps string) of this frame.
+    pub format: Arc<str>,
 }
 
 /// A frame's contents as a source hands them over.

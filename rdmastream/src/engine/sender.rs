@@ -8,7 +8,7 @@
 mod window;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -16,16 +16,16 @@ use crossbeam_channel::{
     Receiver, RecvTimeoutError, Select, SendTimeoutError, Sender, TrySendError,
 };
 
-use super::{FrameData, SourceFrame};
+use super::{FrameData, FrameMeta, SourceFrame};
 use crate::error::{Error, Result, spawn};
 use crate::proto::coalesce::{self, Batch, Coalescer};
 use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
-    Added, Delivery, FillingMachine, Message, MessageKind, MessageTimes, NO_PTS, Placement,
-    SenderMachine, SenderStats, fragment_range,
+    Added, Delivery, FillingMachine, HEADER_LEN, Message, MessageKind, MessageTimes, NO_PTS,
+    Placement, SenderMachine, SenderStats, fragment_range,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
-use crate::transport::{Connection, Connector, SendBlocks};
+use crate::transport::{Connection, Connector, LeasedBlock, SendBlocks};
 
 /// What happens when a device's queue is full because the link or the receiver is slower than
 /// the source.
@@ -86,7 +86,118 @@ impl Default for SenderOptions {
 
 enum Msg {
     Frame(SourceFrame),
+    /// A frame a source wrote into a reserved send block (see [`DeviceInput::reserve`]).
+    Reserved(Committed),
     End,
+}
+
+/// A committed reservation on its way to the filling thread: send block `block` holds the
+/// frame's `len` payload bytes after the header room.
+///
+/// It still counts as reserved until the filling thread is done with it (or it is dropped from
+/// the queue): committed frames waiting in a queue hold their blocks too, and the filling
+/// thread must always find one block that no reservation holds.
+struct Committed {
+    block: usize,
+    len: usize,
+    meta: FrameMeta,
+    reserved: Arc<AtomicUsize>,
+}
+
+impl Drop for Committed {
+    fn drop(&mut self) {
+        self.reserved.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Why [`DeviceInput::reserve`] gave no send block; the source copies the frame instead
+/// ([`DeviceInput::push`]), or tries again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotReserved {
+    /// The frame does not fit in one send block with its header and trailer.
+    TooLarge,
+    /// Every send block but one stayed reserved (held by sources, or committed and not yet
+    /// taken by the filling thread) until the timeout: the last one is kept for the filling
+    /// thread (format and end-of-stream messages, copied frames), so it can always go on.
+    Busy,
+    /// No send block came free within the timeout (the link is slower than the source).
+    TimedOut,
+    /// The sender stopped: nothing will be sent any more.
+    Stopped,
+}
+
+/// One send block taken for a source to write a frame's payload straight into (the memory the
+/// transport sends from), then [`commit`](Reservation::commit) it: the filling thread writes
+/// the header and seal around it in place, so the frame is never copied. Dropped uncommitted,
+/// the block goes back to the free list.
+pub struct Reservation {
+    block: usize,
+    len: usize,
+    lease: Option<Box<dyn LeasedBlock>>,
+    input: DeviceInput,
+}
+
+impl Reservation {
+    /// Which send block this is.
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
+    /// The payload's length in bytes (as reserved).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty payload.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The payload area: bytes `HEADER_LEN..HEADER_LEN + len` of the block.
+    pub fn payload(&self) -> &[u8] {
+        let lease = self.lease.as_ref().expect("held until commit or drop");
+        &lease.bytes()[HEADER_LEN..HEADER_LEN + self.len]
+    }
+
+    /// The payload area, to write the frame into (holds whatever the block carried before).
+    pub fn payload_mut(&mut self) -> &mut [u8] {
+        let lease = self.lease.as_mut().expect("held until commit or drop");
+        &mut lease.bytes_mut()[HEADER_LEN..HEADER_LEN + self.len]
+    }
+
+    /// Hands the written frame to the filling thread, in order with the device's other frames,
+    /// under the device's queue policy (like [`DeviceInput::push`]). False once the sender has
+    /// shut down (the block is then simply let go).
+    pub fn commit(mut self, meta: FrameMeta) -> bool {
+        // Let go of the block first: the filling thread locks it to write header and seal.
+        self.lease.take();
+        let committed = Committed {
+            block: self.block,
+            len: self.len,
+            meta,
+            reserved: self.input.reserved.clone(),
+        };
+        if self.input.stopped.load(Ordering::Acquire) {
+            return false; // nothing will be taken any more
+        }
+        self.input.send(Msg::Reserved(committed))
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.lease.take().is_some() {
+            // Abandoned: the block was never handed over, it is free again.
+            self.input.reserved.fetch_sub(1, Ordering::AcqRel);
+            let _ = self.input.free_tx.send(self.block);
+        }
+    }
+}
+
+impl std::fmt::Debug for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Reservation(block {}, {} bytes)", self.block, self.len)
+    }
 }
 
 /// A device's input queue. Clone it into the source thread.
@@ -99,6 +210,12 @@ pub struct DeviceInput {
     counters: Arc<DeviceCounters>,
     /// Set once the sender stopped (finished, failed or aborted): nothing will be taken any more.
     stopped: Arc<AtomicBool>,
+    /// The send blocks and their free list, for reservations.
+    blocks: Arc<SendBlocks>,
+    free_rx: Receiver<usize>,
+    free_tx: Sender<usize>,
+    /// Reservations not yet committed or dropped, over all devices of the sender.
+    reserved: Arc<AtomicUsize>,
 }
 
 impl DeviceInput {
@@ -109,9 +226,73 @@ impl DeviceInput {
 
     /// Queues a frame under the device's policy. Returns false once the sender has shut down.
     pub fn push(&self, frame: SourceFrame) -> bool {
+        self.send(Msg::Frame(frame))
+    }
+
+    /// Takes a free send block for a frame of `len` bytes that the caller writes in place
+    /// ([`Reservation::payload_mut`]) and then commits, instead of pushing a copy. Waits up to
+    /// `timeout` for a block to come free. Only for frames that fit in one block; at most all
+    /// blocks but one are reserved at a time (see [`NotReserved`]).
+    pub fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved> {
+        if len > crate::proto::payload_capacity(self.blocks.block_size()) {
+            return Err(NotReserved::TooLarge);
+        }
+        let limit = self.blocks.count().saturating_sub(1);
+        let deadline = Instant::now() + timeout;
+        // Committed frames count until the filling thread takes them, which is soon: poll
+        // briefly for one of those to go (a caller holding them all itself gets `Busy`).
+        while self
+            .reserved
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .is_err()
+        {
+            if limit == 0 || Instant::now() >= deadline || self.stopped.load(Ordering::Acquire) {
+                return Err(NotReserved::Busy);
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        loop {
+            if self.stopped.load(Ordering::Acquire) {
+                self.reserved.fetch_sub(1, Ordering::AcqRel);
+                return Err(NotReserved::Stopped);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                self.reserved.fetch_sub(1, Ordering::AcqRel);
+                return Err(NotReserved::TimedOut);
+            }
+            let wait = (deadline - now).min(Duration::from_millis(50));
+            if let Ok(block) = self.free_rx.recv_timeout(wait) {
+                return Ok(Reservation {
+                    block,
+                    len,
+                    lease: Some(self.blocks.lease(block)),
+                    input: self.clone(),
+                });
+            }
+        }
+    }
+
+    /// Drops the oldest queued message to make room (drop-oldest); a committed reservation's
+    /// block goes back to the free list.
+    fn drop_oldest(&self) {
+        match self.rx.try_recv() {
+            // Only frames are ever queued before End, so this drops a frame.
+            Ok(Msg::Frame(_)) => self.counters.dropped(),
+            Ok(Msg::Reserved(c)) => {
+                let _ = self.free_tx.send(c.block);
+                self.counters.dropped();
+            }
+            Ok(Msg::End) | Err(_) => {}
+        }
+    }
+
+    fn send(&self, msg: Msg) -> bool {
         match self.policy {
             DropPolicy::Block => {
-                let mut msg = Msg::Frame(frame);
+                let mut msg = msg;
                 loop {
                     match self.tx.send_timeout(msg, Duration::from_millis(50)) {
                         Ok(()) => return true,
@@ -126,17 +307,14 @@ impl DeviceInput {
                 }
             }
             DropPolicy::DropOldest => {
-                let mut msg = Msg::Frame(frame);
+                let mut msg = msg;
                 loop {
                     match self.tx.try_send(msg) {
                         Ok(()) => return true,
                         Err(TrySendError::Disconnected(_)) => return false,
                         Err(TrySendError::Full(m)) => {
                             msg = m;
-                            // Only frames are ever queued before End, so this drops a frame.
-                            if let Ok(Msg::Frame(_)) = self.rx.try_recv() {
-                                self.counters.dropped();
-                            }
+                            self.drop_oldest();
                         }
                     }
                 }
@@ -160,9 +338,7 @@ impl DeviceInput {
                 Err(TrySendError::Full(m)) => {
                     msg = m;
                     if self.policy == DropPolicy::DropOldest {
-                        if let Ok(Msg::Frame(_)) = self.rx.try_recv() {
-                            self.counters.dropped();
-                        }
+                        self.drop_oldest();
                     } else if std::time::Instant::now() >= deadline {
                         tracing::warn!(
                             device = self.device,
@@ -236,6 +412,11 @@ pub struct SenderHandle {
     live: Arc<parking_lot::Mutex<SenderStats>>,
     /// Every device queue, to count the frames left in them at shutdown.
     queues: parking_lot::Mutex<Vec<Receiver<Msg>>>,
+    /// For the devices' reservations: the send blocks, their free list, the count reserved.
+    blocks: Arc<SendBlocks>,
+    free_rx: Receiver<usize>,
+    free_tx: Sender<usize>,
+    reserved: Arc<AtomicUsize>,
 }
 
 impl SenderHandle {
@@ -264,12 +445,14 @@ impl SenderHandle {
         let abort = Arc::new(AtomicBool::new(false));
         let drops = Arc::new(AtomicU64::new(0));
         let live = Arc::new(parking_lot::Mutex::new(SenderStats::default()));
+        let (reserve_rx, reserve_tx) = (free_rx.clone(), free_tx.clone());
         let filling = {
-            let (blocks, abort, first_packet, drops) = (
+            let (blocks, abort, first_packet, drops, free_tx) = (
                 blocks.clone(),
                 abort.clone(),
                 opts.first_packet,
                 drops.clone(),
+                free_tx.clone(),
             );
             // The sliding-window baseline keeps each device on its own connection, so its
             // messages never share a block.
@@ -285,7 +468,7 @@ impl SenderHandle {
                 filling_thread(
                     blocks,
                     control_rx,
-                    free_rx,
+                    (free_rx, free_tx),
                     filled_tx,
                     abort,
                     first_packet,
@@ -296,6 +479,7 @@ impl SenderHandle {
             })?
         };
         let counters = Arc::new(Registry::default());
+        let reserve_blocks = blocks.clone();
         let sending = {
             let state = Sending {
                 machine: SenderMachine::new(opts.max_outstanding),
@@ -331,6 +515,10 @@ impl SenderHandle {
             queue_depth: queue_depth.max(1),
             live,
             queues: parking_lot::Mutex::new(Vec::new()),
+            blocks: reserve_blocks,
+            free_rx: reserve_rx,
+            free_tx: reserve_tx,
+            reserved: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -355,6 +543,10 @@ impl SenderHandle {
             rx,
             counters: self.counters.device(&device),
             stopped: self.abort.clone(),
+            blocks: self.blocks.clone(),
+            free_rx: self.free_rx.clone(),
+            free_tx: self.free_tx.clone(),
+            reserved: self.reserved.clone(),
         }
     }
 
@@ -393,7 +585,11 @@ impl SenderHandle {
             .queues
             .lock()
             .iter()
-            .map(|q| q.try_iter().filter(|m| matches!(m, Msg::Frame(_))).count() as u64)
+            .map(|q| {
+                q.try_iter()
+                    .filter(|m| matches!(m, Msg::Frame(_) | Msg::Reserved(_)))
+                    .count() as u64
+            })
             .sum();
         if let Ok(r) = &mut report {
             r.undelivered_frames += queued + held;
@@ -420,7 +616,7 @@ impl Drop for SenderHandle {
 fn filling_thread(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
-    free: Receiver<usize>,
+    free: (Receiver<usize>, Sender<usize>),
     filled: Sender<ToSending>,
     abort: Arc<AtomicBool>,
     first_packet: u16,
@@ -450,7 +646,7 @@ fn filling_thread(
 fn filling_loop(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
-    free: Receiver<usize>,
+    (free, free_tx): (Receiver<usize>, Sender<usize>),
     filled: Sender<ToSending>,
     abort: Arc<AtomicBool>,
     first_packet: u16,
@@ -623,6 +819,30 @@ fn filling_loop(
                     )
                 }) && fill(coalescer, plan.frame, device, &f.data, f.timestamp_ns)
             }
+            Msg::Reserved(c) => {
+                let times = MessageTimes {
+                    timestamp_ns: c.meta.timestamp_ns,
+                    duration_ns: c.meta.duration_ns,
+                    pts_ns: c.meta.pts_ns.unwrap_or(NO_PTS),
+                };
+                let plan = machine.frame(device, &c.meta.format, c.meta.index, c.len, times);
+                let format_ok = plan.format.is_none_or(|m| {
+                    let format = bytes::Bytes::copy_from_slice(c.meta.format.as_bytes());
+                    fill(
+                        coalescer,
+                        Some(m),
+                        device,
+                        &FrameData::Bytes(format),
+                        c.meta.timestamp_ns,
+                    )
+                });
+                format_ok && {
+                    // Held small messages go first: a reserved frame never shares its block.
+                    let held = coalescer.flush();
+                    held.is_none_or(|b| write_batch(&blocks, &take_free, &filled, b, lost))
+                        && seal_reserved(&blocks, &filled, &free_tx, plan.frame, &c, placement)
+                }
+            }
             Msg::End => {
                 queues.remove(pos);
                 let (end, resumed) = machine.end(device, unix_now_ns());
@@ -644,6 +864,47 @@ fn filling_loop(
             return;
         }
     }
+}
+
+/// Writes header and seal around the payload a source wrote into reserved send block
+/// `c.block` and hands the block to the sending thread. False once the sender stops.
+fn seal_reserved(
+    blocks: &SendBlocks,
+    filled: &Sender<ToSending>,
+    free: &Sender<usize>,
+    msg: Option<Message>,
+    c: &Committed,
+    placement: Placement,
+) -> bool {
+    // `reserve` admits only frames that fit in one block, so the plan is one block.
+    let Some(msg) = msg.filter(|m| m.headers.len() == 1) else {
+        tracing::error!(
+            frame = c.meta.index,
+            len = c.len,
+            "a reserved frame planned as more than one block; dropped"
+        );
+        let _ = free.send(c.block);
+        return true;
+    };
+    // Sealed by transport, as `fill` seals (docs/protocol.md, "Seal by transport").
+    let h = msg.headers[0].sealed_for(placement);
+    let len = blocks.fill(c.block, |b| {
+        // The payload is in place already: only the header goes before it.
+        let used = h.write_header_with(b, |_| {});
+        h.seal(b);
+        used
+    });
+    let frame_end = (msg.kind == MessageKind::Frame).then_some((c.len, c.meta.timestamp_ns));
+    filled
+        .send(ToSending::Block(Filled {
+            index: c.block,
+            len,
+            device: msg.device,
+            reliable: msg.reliable,
+            last: true,
+            frame_end,
+        }))
+        .is_ok()
 }
 
 /// Writes one batch of the coalescer into a free send block (a lone message as a version 1

@@ -44,7 +44,8 @@ use crate::proto::{Placement, RemoteLayout, Reservation};
 
 pub use access::{AccessControl, Keys, Lease};
 pub use region::{
-    HeldBlock, HeldBytes, Region, RegisteredBlocks, RetainedBlock, SendBlocks, SoftRegion,
+    HeldBlock, HeldBytes, LeasedBlock, Region, RegisteredBlocks, RetainedBlock, SendBlocks,
+    SoftRegion,
 };
 
 /// Which remote memory region an operation targets (each has its own key and access rights:

@@ -530,10 +530,33 @@ pub trait RegisteredBlocks: Send + Sync {
     fn fill_block(&self, i: usize, f: &mut dyn FnMut(&mut [u8]));
     /// Runs `f` over the first `len` bytes of block `i`.
     fn read_block(&self, i: usize, len: usize, f: &mut dyn FnMut(&[u8]));
+    /// Takes block `i` for as long as the returned lease lives (a source writing a frame into
+    /// it before handing it over): [`Self::fill_block`] and [`Self::read_block`] wait for it.
+    fn lease_block(&self, i: usize) -> Box<dyn LeasedBlock>;
+}
+
+/// Owned access to one send block (see [`SendBlocks::lease`]), movable between threads.
+pub trait LeasedBlock: Send {
+    /// The whole block.
+    fn bytes(&self) -> &[u8];
+    /// The whole block, mutably.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+/// A send block in ordinary memory, locked for its lease.
+struct PlainLease(ArcMutexGuard<RawMutex, Box<[u8]>>);
+
+impl LeasedBlock for PlainLease {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
 }
 
 enum SendMemory {
-    Plain(Box<[Mutex<Box<[u8]>>]>),
+    Plain(Box<[SharedBlock]>),
     Registered(Box<dyn RegisteredBlocks>),
 }
 
@@ -550,7 +573,7 @@ impl SendBlocks {
     /// Allocates `count` blocks of `block_size` bytes in ordinary memory, once, at start.
     pub fn new(count: usize, block_size: usize) -> Arc<SendBlocks> {
         let blocks = (0..count)
-            .map(|_| Mutex::new(vec![0u8; block_size].into_boxed_slice()))
+            .map(|_| Arc::new(Mutex::new(vec![0u8; block_size].into_boxed_slice())))
             .collect();
         Arc::new(SendBlocks {
             block_size,
@@ -599,6 +622,16 @@ impl SendBlocks {
                 r.fill_block(i, &mut |b| out = f.take().map(|f| f(b)));
                 out.expect("fill_block calls back once")
             }
+        }
+    }
+
+    /// Takes block `i` until the lease is dropped: a source writes a frame's payload into it
+    /// straight after the header (the engine's reservations). Only for a block whose index the
+    /// caller owns (taken from the free list); [`Self::fill`] and [`Self::read`] of it wait.
+    pub fn lease(&self, i: usize) -> Box<dyn LeasedBlock> {
+        match &self.memory {
+            SendMemory::Plain(blocks) => Box::new(PlainLease(blocks[i].lock_arc())),
+            SendMemory::Registered(r) => r.lease_block(i),
         }
     }
 
