@@ -174,7 +174,9 @@ pub fn sender(
                 .name(format!("source-{}", d.id))
                 .spawn(move || {
                     match producer {
-                        Runner::Builtin(p) => p.run(&stop, frames, |f| input.push(f)),
+                        Runner::Builtin(p) => {
+                            p.run(&stop, frames, |f| input.push_rendering_here(f))
+                        }
                         #[cfg(feature = "gstreamer")]
                         Runner::Gstreamer(p) => {
                             if let Err(e) = p.run(&stop, |f| input.push(f)) {

@@ -1597,3 +1597,124 @@ fn a_sender_finishes_with_a_reservation_outstanding() {
     );
     receiver.stop();
 }
+
+/// A frame that records which thread rendered each of its ranges.
+struct ThreadRendered {
+    seed: u8,
+    len: usize,
+    threads: std::sync::Mutex<Vec<Option<String>>>,
+}
+
+impl rdmastream::engine::FrameWriter for ThreadRendered {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn write(&self, offset: usize, dst: &mut [u8]) {
+        let name = std::thread::current().name().map(str::to_string);
+        self.threads.lock().unwrap().push(name);
+        for (k, b) in dst.iter_mut().enumerate() {
+            *b = Rendered::byte(self.seed, offset + k);
+        }
+    }
+}
+
+/// `push_rendering_here` renders a one-block frame on the source's own thread into a reserved
+/// block (not on the filling thread), a frame of several blocks falls back to the filling
+/// thread, and both arrive bit-exact and in order with a frame pushed as bytes between them.
+#[test]
+fn frames_rendered_on_the_sources_thread_arrive_bit_exact_in_order() {
+    use rdmastream::engine::{FrameData, SourceFrame};
+    const BLOCK: usize = 4096;
+    let cap = rdmastream::proto::payload_capacity(BLOCK);
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, BLOCK, vec![]));
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "render-here".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: BLOCK,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
+    let input = s.add_device(2, DropPolicy::Block);
+    let lens = [cap, 100, 3 * cap + 5, cap - 1];
+    let writers: Vec<Arc<ThreadRendered>> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            Arc::new(ThreadRendered {
+                seed: i as u8,
+                len,
+                threads: Default::default(),
+            })
+        })
+        .collect();
+    let source = {
+        let (input, writers) = (input.clone(), writers.clone());
+        std::thread::Builder::new()
+            .name("camera-7".into())
+            .spawn(move || {
+                let frame = |index: u64, data: FrameData| SourceFrame {
+                    index,
+                    timestamp_ns: 1,
+                    duration_ns: 0,
+                    pts_ns: None,
+                    format: "x".into(),
+                    data,
+                };
+                let mut index = 0;
+                for w in writers {
+                    assert!(input.push_rendering_here(frame(index, FrameData::Render(w))));
+                    index += 1;
+                    // A copied frame between the rendered ones keeps its place.
+                    let bytes = Rendered::bytes(200 + index as u8, 77);
+                    assert!(input.push_rendering_here(frame(index, bytes.into())));
+                    index += 1;
+                }
+                input.end();
+            })
+            .unwrap()
+    };
+    source.join().unwrap();
+    drop(input);
+    s.finish(Duration::from_secs(20)).unwrap();
+    assert!(wait_until(Duration::from_secs(20), || {
+        receiver.all_senders_ended()
+    }));
+    receiver.stop();
+    let got = sink.0.lock().unwrap().clone();
+    assert_eq!(
+        got.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        (0..8).collect::<Vec<_>>()
+    );
+    for (k, w) in writers.iter().enumerate() {
+        assert_eq!(
+            got[2 * k].1,
+            Rendered::bytes(w.seed, w.len),
+            "frame {}",
+            2 * k
+        );
+        assert_eq!(
+            got[2 * k + 1].1,
+            Rendered::bytes(200 + (2 * k + 1) as u8, 77)
+        );
+        let threads = w.threads.lock().unwrap().clone();
+        if w.len <= cap {
+            assert_eq!(
+                threads,
+                vec![Some("camera-7".to_string())],
+                "frame {}",
+                2 * k
+            );
+        } else {
+            assert!(
+                threads.iter().all(|t| t.as_deref() == Some("filling")),
+                "a frame of several blocks is rendered by the filling thread: {threads:?}"
+            );
+        }
+    }
+}

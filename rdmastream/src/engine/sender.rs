@@ -229,9 +229,35 @@ impl DeviceInput {
         self.send(Msg::Frame(frame))
     }
 
+    /// Like [`push`](Self::push), but a frame the source renders ([`FrameData::Render`]) is
+    /// rendered here, on the caller's thread, straight into a reserved send block, and
+    /// committed: so several sources render side by side instead of in turn on the filling
+    /// thread, and still without a copy. When no block is free right now (or the frame needs
+    /// more than one block) the frame is pushed and the filling thread renders it once a block
+    /// comes free: a source never waits here longer than a push would make it. Returns false once the sender has shut down.
+    pub fn push_rendering_here(&self, frame: SourceFrame) -> bool {
+        let FrameData::Render(writer) = &frame.data else {
+            return self.push(frame);
+        };
+        match self.reserve(writer.len(), Duration::ZERO) {
+            Ok(mut r) => {
+                writer.write(0, r.payload_mut());
+                r.commit(FrameMeta {
+                    index: frame.index,
+                    timestamp_ns: frame.timestamp_ns,
+                    duration_ns: frame.duration_ns,
+                    pts_ns: frame.pts_ns,
+                    format: frame.format,
+                })
+            }
+            Err(NotReserved::Stopped) => false,
+            Err(_) => self.push(frame),
+        }
+    }
+
     /// Takes a free send block for a frame of `len` bytes that the caller writes in place
     /// ([`Reservation::payload_mut`]) and then commits, instead of pushing a copy. Waits up to
-    /// `timeout` for a block to come free. Only for frames that fit in one block; at most all
+    /// `timeout` for a block to come free (zero: takes one only if one is free now). Only for frames that fit in one block; at most all
     /// blocks but one are reserved at a time (see [`NotReserved`]).
     pub fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved> {
         if len > crate::proto::payload_capacity(self.blocks.block_size()) {
@@ -257,6 +283,15 @@ impl DeviceInput {
             if self.stopped.load(Ordering::Acquire) {
                 self.reserved.fetch_sub(1, Ordering::AcqRel);
                 return Err(NotReserved::Stopped);
+            }
+            // A block free now is taken even with a zero timeout.
+            if let Ok(block) = self.free_rx.try_recv() {
+                return Ok(Reservation {
+                    block,
+                    len,
+                    lease: Some(self.blocks.lease(block)),
+                    input: self.clone(),
+                });
             }
             let now = Instant::now();
             if now >= deadline {
