@@ -319,6 +319,35 @@ impl DeviceLease {
         input.push(frame)
     }
 
+    /// Takes a send block for a frame of `len` bytes written in place (see
+    /// [`DeviceInput::reserve`]).
+    pub fn reserve(
+        &self,
+        len: usize,
+        timeout: Duration,
+    ) -> Result<rdmastream::engine::Reservation, rdmastream::engine::NotReserved> {
+        let input = self.input.lock().unwrap().clone();
+        match input {
+            Some(input) => input.reserve(len, timeout),
+            None => Err(rdmastream::engine::NotReserved::Stopped),
+        }
+    }
+
+    /// Counts a frame written in place as handed over (when `render` marks it; it is committed
+    /// once its buffer is let go).
+    pub fn count_pushed(&self) {
+        self.pushed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Commits a reservation written in place (see [`Self::count_pushed`]).
+    pub fn commit(
+        &self,
+        reservation: rdmastream::engine::Reservation,
+        meta: rdmastream::engine::FrameMeta,
+    ) -> bool {
+        reservation.commit(meta)
+    }
+
     /// Ends the device's stream: end-of-stream follows the queued frames.
     pub fn end(&self) {
         if let Some(input) = self.input.lock().unwrap().take() {

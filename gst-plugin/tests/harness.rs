@@ -1018,3 +1018,57 @@ fn elements_serve_their_stats_as_prometheus_metrics() {
         "the metrics server outlived its elements"
     );
 }
+
+/// Upstream writes frames into the buffers of the pool `rdmasink` proposes (send blocks): they
+/// go in place, arrive bit-exact and in order, and are counted as such; a buffer from elsewhere
+/// between them is copied and counted as copied.
+#[test]
+fn buffers_of_the_proposed_pool_are_sent_in_place_and_others_copied() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 7, &[]);
+    let tx = sink(port, 7, GRAY, &[]);
+    let caps: gst::Caps = GRAY.parse().unwrap();
+    let mut q = gst::query::Allocation::new(Some(&caps), true);
+    assert!(tx.srcpad().unwrap().peer_query(&mut q));
+    let pool = q
+        .allocation_pools()
+        .into_iter()
+        .find_map(|(p, _, _, _)| p)
+        .expect("rdmasink proposes its pool");
+    let mut config = pool.config();
+    config.set_params(Some(&caps), 8, 0, 0);
+    pool.set_config(config).unwrap();
+    pool.set_active(true).unwrap();
+    let mut tx = tx;
+    let mut want = Vec::new();
+    for i in 0..6u8 {
+        let b = if i == 3 {
+            buffer(vec![0xC0 | i; 8], 100 * i as u64, 100)
+        } else {
+            let mut b = pool.acquire_buffer(None).unwrap();
+            {
+                let b = b.get_mut().unwrap();
+                b.map_writable().unwrap().copy_from_slice(&[i; 8]);
+                b.set_pts(gst::ClockTime::from_mseconds(100 * i as u64));
+                b.set_duration(gst::ClockTime::from_mseconds(100));
+            }
+            b
+        };
+        want.push(bytes(&b));
+        tx.push(b).unwrap();
+    }
+    for (i, want) in want.iter().enumerate() {
+        let b = rx.pull().unwrap();
+        assert_eq!(&bytes(&b), want, "frame {i}");
+        assert_eq!(b.offset(), i as u64);
+    }
+    let st = stats(&tx.element().unwrap());
+    assert_eq!(st.get::<u64>("frames-in-place").unwrap(), 5);
+    assert_eq!(st.get::<u64>("frames-copied").unwrap(), 1);
+    // A buffer acquired and never pushed gives its block back when let go.
+    drop(pool.acquire_buffer(None).unwrap());
+    pool.set_active(false).unwrap();
+    assert!(tx.push_event(gst::event::Eos::new()));
+    caps_until_eos(&mut rx);
+}

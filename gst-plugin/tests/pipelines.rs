@@ -221,6 +221,42 @@ fn raw_video_arrives_byte_exact_and_eos_ends_both_pipelines() {
     assert!(expected == got, "received bytes differ from videotestsrc's");
 }
 
+/// With frames that fit one send block (the default 1 MiB blocks), `videotestsrc` allocates
+/// from the pool `rdmasink` proposes and draws every frame straight into a send block: the
+/// log says the frames went in place, and the bytes still match videotestsrc ! filesink.
+#[test]
+fn raw_video_written_in_place_into_send_blocks_arrives_byte_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    let src = format!("videotestsrc num-buffers=40 pattern=ball ! {RGB_VGA}");
+    run(
+        d,
+        "reference",
+        &format!("{src} ! filesink location=ref.raw"),
+    );
+    let rx = Launch::start(
+        d,
+        "receiver",
+        &format!("rdmasrc port={port} device-id=4 ! filesink location=out.raw"),
+    );
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!("{src} ! rdmasink port={port} device-id=4 sync=false"),
+    );
+    let log = tx.success();
+    rx.success();
+    assert!(
+        log.contains("frames sent in place"),
+        "videotestsrc did not write into the send blocks; log:\n{log}"
+    );
+    assert!(!log.contains("frames sent copied"), "log:\n{log}");
+    let (expected, got) = (read(d.join("ref.raw")), read(d.join("out.raw")));
+    assert_eq!(expected.len(), 40 * 921_600);
+    assert!(expected == got, "received bytes differ from videotestsrc's");
+}
+
 /// The same stream over the shm transport: `rdmasrc` listens on a Unix socket and `rdmasink`
 /// (transport auto) connects to it and writes every block into the receiver's shared memory.
 #[test]

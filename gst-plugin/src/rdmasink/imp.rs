@@ -1,7 +1,7 @@
 //! `rdmasink`'s implementation: properties, the BaseSink virtual methods (start, render, event,
 //! stop), link checks that turn the core sender's state into bus messages, and the URI handler.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,7 +13,7 @@ use gst_base::subclass::prelude::*;
 
 use rdmastream::bytes::Bytes;
 use rdmastream::engine::SenderOptions;
-use rdmastream::engine::SourceFrame;
+use rdmastream::engine::{FrameMeta, SourceFrame};
 use rdmastream::stats::unix_now_ns;
 
 use crate::link::{self, DeviceLease, LeaseRequest, QUEUE_DEPTH, SenderKey};
@@ -117,6 +117,9 @@ struct Started {
     eos: bool,
     /// An error was posted: the element does not go on.
     failed: bool,
+    /// The pool proposed upstream (made at the first allocation query), whose buffers are
+    /// send blocks.
+    pool: Option<super::pool::BlockPool>,
 }
 
 #[derive(Default)]
@@ -132,6 +135,11 @@ pub struct RdmaSink {
     state: Mutex<State>,
     /// Set between `unlock` and `unlock_stop`: every wait gives up.
     flushing: AtomicBool,
+    /// Frames rendered in place (buffers of our pool) and copied (any other buffer), since
+    /// start; and the path of the last frame (0 none, 1 in place, 2 copied), to log changes.
+    in_place: AtomicU64,
+    copied: AtomicU64,
+    last_path: AtomicU8,
 }
 
 #[glib::object_subclass]
@@ -327,6 +335,95 @@ impl RdmaSink {
         }
     }
 
+    /// After a frame was handed over: stats and QoS messages when due.
+    fn after_push(
+        &self,
+        lease: &DeviceLease,
+        buffer: &gst::Buffer,
+    ) -> Result<gst::FlowSuccess, gst::FlowError> {
+        let due = match &mut *self.state.lock().unwrap() {
+            State::Started(s) => {
+                let (frames, _, dropped) = lease.counts();
+                s.reporter.check(frames, dropped)
+            }
+            State::Stopped => Default::default(),
+        };
+        if due.qos.is_some() {
+            gst::debug!(
+                CAT,
+                imp = self,
+                "frames dropped (drop-policy=drop-oldest): {due:?}"
+            );
+        }
+        crate::report::post(self.obj().upcast_ref(), due, buffer.pts());
+        Ok(gst::FlowSuccess::Ok)
+    }
+
+    /// Sends `buffer` in place when it is one of our pool's send blocks: marks it to be
+    /// committed with its frame's metadata once it is let go (right after `render`). False for
+    /// any other buffer, which the caller copies.
+    fn render_in_place(
+        &self,
+        buffer: &gst::Buffer,
+        lease: &DeviceLease,
+        timestamp_ns: u64,
+        duration_ns: u32,
+        pts_ns: Option<u64>,
+    ) -> Result<bool, gst::FlowError> {
+        let mut state = self.state.lock().unwrap();
+        let State::Started(s) = &mut *state else {
+            return Err(gst::FlowError::Flushing);
+        };
+        let (Some(pool), Some(caps)) = (&s.pool, &s.caps) else {
+            return Ok(false);
+        };
+        if buffer.n_memory() != 1 {
+            return Ok(false);
+        }
+        let Ok(map) = buffer.map_readable() else {
+            return Ok(false);
+        };
+        let meta = FrameMeta {
+            index: s.next_index,
+            timestamp_ns,
+            duration_ns,
+            pts_ns,
+            format: caps.clone(),
+        };
+        if !pool
+            .outstanding()
+            .mark(map.as_ptr() as usize, map.len(), meta)
+        {
+            return Ok(false);
+        }
+        s.next_index += 1;
+        lease.count_pushed();
+        drop(state);
+        self.count_path(true);
+        Ok(true)
+    }
+
+    /// Counts a frame's path, and says so in the debug log when it changes.
+    fn count_path(&self, in_place: bool) {
+        let (counter, path, text) = if in_place {
+            (
+                &self.in_place,
+                1,
+                "in place: upstream wrote the frame into a send block",
+            )
+        } else {
+            (
+                &self.copied,
+                2,
+                "copied: the buffer is not one of this element's send blocks",
+            )
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        if self.last_path.swap(path, Ordering::Relaxed) != path {
+            gst::info!(CAT, imp = self, "frames sent {text}");
+        }
+    }
+
     /// The capture time of `buffer` in ns since the UNIX epoch: now, minus how long ago the
     /// pipeline clock passed the buffer's running time (a live source's buffers carry their
     /// capture time as running time). Also returns the running time of its PTS.
@@ -360,6 +457,13 @@ fn caps_text(caps: &gst::CapsRef) -> Arc<str> {
 }
 
 impl ObjectImpl for RdmaSink {
+    fn constructed(&self) {
+        self.parent_constructed();
+        // A last sample would keep the last buffer, and with the send-block pool its block
+        // (and the frame's commit), until the next one: off, so in-place frames go at once.
+        self.obj().set_enable_last_sample(false);
+    }
+
     fn properties() -> &'static [glib::ParamSpec] {
         static PROPERTIES: LazyLock<Vec<glib::ParamSpec>> = LazyLock::new(|| {
             vec![
@@ -543,6 +647,8 @@ impl ObjectImpl for RdmaSink {
                         .field("bytes-written", bytes)
                         .field("frames-dropped", dropped)
                         .field("in-flight", st.lease.in_flight())
+                        .field("frames-in-place", self.in_place.load(Ordering::Relaxed))
+                        .field("frames-copied", self.copied.load(Ordering::Relaxed))
                         .field("connected", link.connected)
                         .field("connections", link.connections)
                         .field("sender-name", st.lease.sender_name());
@@ -699,7 +805,11 @@ impl BaseSinkImpl for RdmaSink {
             warned: None,
             eos: false,
             failed: false,
+            pool: None,
         });
+        self.in_place.store(0, Ordering::Relaxed);
+        self.copied.store(0, Ordering::Relaxed);
+        self.last_path.store(0, Ordering::Relaxed);
         Ok(())
     }
 
@@ -711,6 +821,9 @@ impl BaseSinkImpl for RdmaSink {
             } else {
                 LINGER_INTERRUPTED
             };
+            if let Some(pool) = &s.pool {
+                pool.detach();
+            }
             s.lease.release(linger);
         }
         Ok(())
@@ -737,6 +850,9 @@ impl BaseSinkImpl for RdmaSink {
         let duration_ns = buffer
             .duration()
             .map_or(0, |d| d.nseconds().min(u32::MAX as u64) as u32);
+        if self.render_in_place(buffer, &lease, timestamp_ns, duration_ns, pts_ns)? {
+            return self.after_push(&lease, buffer);
+        }
         let data = buffer.clone().into_mapped_buffer_readable().map_err(|_| {
             gst::element_imp_error!(self, gst::ResourceError::Read, ("Cannot map buffer"));
             gst::FlowError::Error
@@ -777,22 +893,8 @@ impl BaseSinkImpl for RdmaSink {
         if !lease.push(frame) {
             return Err(gst::FlowError::Flushing);
         }
-        let due = match &mut *self.state.lock().unwrap() {
-            State::Started(s) => {
-                let (frames, _, dropped) = lease.counts();
-                s.reporter.check(frames, dropped)
-            }
-            State::Stopped => Default::default(),
-        };
-        if due.qos.is_some() {
-            gst::debug!(
-                CAT,
-                imp = self,
-                "frames dropped (drop-policy=drop-oldest): {due:?}"
-            );
-        }
-        crate::report::post(self.obj().upcast_ref(), due, buffer.pts());
-        Ok(gst::FlowSuccess::Ok)
+        self.count_path(false);
+        self.after_push(&lease, buffer)
     }
 
     fn event(&self, event: gst::Event) -> bool {
@@ -817,6 +919,29 @@ impl BaseSinkImpl for RdmaSink {
             }
         }
         self.parent_event(event)
+    }
+
+    fn propose_allocation(
+        &self,
+        query: &mut gst::query::Allocation,
+    ) -> Result<(), gst::LoggableError> {
+        let (_, need_pool) = query.get();
+        let policy = self.settings.lock().unwrap().drop_policy;
+        let mut state = self.state.lock().unwrap();
+        // Only when upstream waits anyway (drop-policy=block: acquiring a buffer waits for a
+        // free send block) and no last sample keeps a buffer, and so its block, past render.
+        if let State::Started(s) = &mut *state
+            && need_pool
+            && policy == DropPolicyProperty::Block
+            && !self.obj().enables_last_sample()
+        {
+            let pool = s
+                .pool
+                .get_or_insert_with(|| super::pool::BlockPool::new(s.lease.clone()));
+            query.add_allocation_pool(Some(pool), 0, 0, 0);
+            gst::debug!(CAT, imp = self, "proposing the send-block pool");
+        }
+        Ok(())
     }
 
     fn unlock(&self) -> Result<(), gst::ErrorMessage> {

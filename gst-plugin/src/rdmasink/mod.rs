@@ -2,10 +2,24 @@
 //! sender, over one-sided RDMA with the status-byte-assisted mechanism, or its TCP emulation.
 //!
 //! Every buffer becomes one frame of the device: the core's filling thread copies it into send
-//! blocks (several when it is larger than a block), the sending thread writes them into the
+//! blocks (or it already is one, see below) (several when it is larger than a block), the sending thread writes them into the
 //! receiver's memory blocks and sets their status bytes. Caps are sent whenever they are set or
 //! change; PTS (as running time) and duration travel in the block header; EOS reaches the far
 //! side as end-of-stream of the device.
+//!
+//! ## Frames written in place
+//!
+//! With `drop-policy=block` (default) the element answers upstream's allocation query with a
+//! buffer pool whose buffers are send blocks, reserved from the core sender: upstream writes
+//! each frame straight into memory the transport sends from, and `render` marks the buffer so
+//! its block is committed (header and seal written around the payload in place) as soon as
+//! the buffer is let go, right after `render`; a pooled buffer never rendered gives its block
+//! back. A frame that does not fit one block (`block-size` minus 60 bytes of header and
+//! trailer), or all blocks but one being reserved, gets an ordinary buffer; any buffer not from
+//! the pool is copied by the filling thread as before. The `stats` structure counts
+//! `frames-in-place` and `frames-copied`, and the element logs (info) which path the frames take
+//! whenever it changes. `enable-last-sample` defaults to false here: a kept last sample would
+//! hold its buffer, and so its block and the frame's commit, until the next frame.
 //!
 //! All `rdmasink` elements of a process with the same `host`, `port`, `transport` and
 //! `sender-name` share one connection (one queue pair), each with its own `device-id`.
@@ -49,6 +63,7 @@ use gst::glib;
 use gst::prelude::*;
 
 mod imp;
+mod pool;
 
 glib::wrapper! {
     pub struct RdmaSink(ObjectSubclass<imp::RdmaSink>) @extends gst_base::BaseSink, gst::Element, gst::Object,

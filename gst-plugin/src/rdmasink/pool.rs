@@ -1,0 +1,199 @@
+//! The buffer pool `rdmasink` proposes upstream: every buffer's memory is the payload area of
+//! one send block, reserved from the core sender ([`rdmastream::engine::Reservation`]), so
+//! upstream writes the frame straight into memory the transport sends from. `render` marks a
+//! buffer of this pool with its frame's metadata; the block is committed (the filling thread
+//! writes header and seal around the payload in place) once the buffer's memory is let go, and
+//! given back unsent if it never was rendered (a flush). Buffers are never recycled: each holds
+//! its block only until it is sent.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gst::glib;
+use gst::prelude::*;
+use gst::subclass::prelude::*;
+
+use rdmastream::engine::{FrameMeta, NotReserved, Reservation};
+
+use crate::link::DeviceLease;
+
+/// What `render` decided about a pooled buffer's frame.
+#[derive(Default)]
+enum SlotState {
+    /// Not rendered yet: let go like this, the block is given back.
+    #[default]
+    Open,
+    /// Rendered: commit with this metadata when the memory is let go.
+    Commit(FrameMeta),
+    /// Committed (or rendered once already): a second render copies.
+    Taken,
+}
+
+/// The pooled memories not yet let go, by the address of their payload (how `render`
+/// recognises a buffer of this pool without any unsafe meta or qdata).
+#[derive(Default)]
+pub struct Outstanding(Mutex<HashMap<usize, (usize, Slot)>>);
+
+/// What `render` decided about one pooled memory, shared with the memory itself.
+type Slot = Arc<Mutex<SlotState>>;
+
+impl Outstanding {
+    /// Marks the pooled memory at `addr` of `len` bytes to be sent with `meta` once let go.
+    /// False when it is not one of ours (or was rendered already): the caller copies.
+    pub fn mark(&self, addr: usize, len: usize, meta: FrameMeta) -> bool {
+        let Some((reserved, slot)) = self.0.lock().unwrap().get(&addr).cloned() else {
+            return false;
+        };
+        let mut state = slot.lock().unwrap();
+        match &*state {
+            // A buffer resized after it was acquired is copied: the block holds `reserved`.
+            SlotState::Open if len == reserved => {
+                *state = SlotState::Commit(meta);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A buffer's memory: the reservation of one send block.
+struct BlockMemory {
+    reservation: Option<Reservation>,
+    slot: Arc<Mutex<SlotState>>,
+    outstanding: Arc<Outstanding>,
+    addr: usize,
+    lease: Arc<DeviceLease>,
+}
+
+impl AsMut<[u8]> for BlockMemory {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self.reservation
+            .as_mut()
+            .expect("held until drop")
+            .payload_mut()
+    }
+}
+
+impl Drop for BlockMemory {
+    fn drop(&mut self) {
+        self.outstanding.0.lock().unwrap().remove(&self.addr);
+        let state = std::mem::replace(&mut *self.slot.lock().unwrap(), SlotState::Taken);
+        if let (SlotState::Commit(meta), Some(r)) = (state, self.reservation.take()) {
+            self.lease.commit(r, meta);
+        }
+        // Otherwise the reservation drops here: its block goes back unsent.
+    }
+}
+
+#[derive(Default)]
+pub struct BlockPoolImp {
+    lease: Mutex<Option<Arc<DeviceLease>>>,
+    outstanding: Arc<Outstanding>,
+    flushing: AtomicBool,
+}
+
+#[glib::object_subclass]
+impl ObjectSubclass for BlockPoolImp {
+    const NAME: &'static str = "GstRdmaSinkBlockPool";
+    type Type = BlockPool;
+    type ParentType = gst::BufferPool;
+}
+
+impl ObjectImpl for BlockPoolImp {}
+impl GstObjectImpl for BlockPoolImp {}
+
+impl BufferPoolImpl for BlockPoolImp {
+    fn acquire_buffer(
+        &self,
+        _params: Option<&gst::BufferPoolAcquireParams>,
+    ) -> Result<gst::Buffer, gst::FlowError> {
+        let size = self
+            .obj()
+            .config()
+            .params()
+            .map_or(0, |(_, size, _, _)| size as usize);
+        loop {
+            if self.flushing.load(Ordering::Acquire) {
+                return Err(gst::FlowError::Flushing);
+            }
+            let Some(lease) = self.lease.lock().unwrap().clone() else {
+                return Err(gst::FlowError::Flushing);
+            };
+            match lease.reserve(size, Duration::from_millis(100)) {
+                Ok(mut r) => {
+                    let addr = r.payload_mut().as_ptr() as usize;
+                    let slot = Arc::new(Mutex::new(SlotState::Open));
+                    self.outstanding
+                        .0
+                        .lock()
+                        .unwrap()
+                        .insert(addr, (r.len(), slot.clone()));
+                    let memory = gst::Memory::from_mut_slice(BlockMemory {
+                        reservation: Some(r),
+                        slot,
+                        outstanding: self.outstanding.clone(),
+                        addr,
+                        lease,
+                    });
+                    let mut buffer = gst::Buffer::new();
+                    buffer.get_mut().expect("new buffer").append_memory(memory);
+                    return Ok(buffer);
+                }
+                Err(NotReserved::TimedOut) => continue,
+                Err(NotReserved::Stopped) => return Err(gst::FlowError::Flushing),
+                // Too large for one block, or the blocks are all reserved: an ordinary buffer,
+                // which `render` copies.
+                Err(NotReserved::TooLarge | NotReserved::Busy) => {
+                    return gst::Buffer::with_size(size).map_err(|_| gst::FlowError::Error);
+                }
+            }
+        }
+    }
+
+    fn release_buffer(&self, buffer: gst::Buffer) {
+        // Never recycled: dropping it lets the memory go, which commits or frees its block.
+        drop(buffer);
+    }
+
+    fn start(&self) -> bool {
+        true
+    }
+
+    fn stop(&self) -> bool {
+        true
+    }
+
+    fn flush_start(&self) {
+        self.flushing.store(true, Ordering::Release);
+    }
+
+    fn flush_stop(&self) {
+        self.flushing.store(false, Ordering::Release);
+    }
+}
+
+glib::wrapper! {
+    pub struct BlockPool(ObjectSubclass<BlockPoolImp>) @extends gst::BufferPool, gst::Object;
+}
+
+impl BlockPool {
+    /// A pool reserving blocks on `lease`'s device.
+    pub fn new(lease: Arc<DeviceLease>) -> BlockPool {
+        let pool: BlockPool = glib::Object::new();
+        *pool.imp().lease.lock().unwrap() = Some(lease);
+        pool
+    }
+
+    /// The memories of this pool not yet let go.
+    pub fn outstanding(&self) -> Arc<Outstanding> {
+        self.imp().outstanding.clone()
+    }
+
+    /// The element stopped: no more reservations (outstanding ones are let go with their
+    /// buffers).
+    pub fn detach(&self) {
+        self.imp().lease.lock().unwrap().take();
+    }
+}
