@@ -11,8 +11,11 @@
 //! sink reads them (both processes read the same CLOCK_MONOTONIC). Figures are taken over a
 //! window that starts after a warm-up, at the same instant in both processes.
 //!
+//! Each sink copies every frame (`identity drop-allocation=true` before it); with `--in-place`
+//! videotestsrc writes straight into rdmasink's buffer pool of send blocks instead.
+//!
 //! ```sh
-//! cargo run --release -p gst-plugin-rdma --bin gst-bench -- [--seconds 5] [--warmup 1]
+//! cargo run --release -p rdmastream-bench --bin gst-bench -- [--seconds 5] [--warmup 1]
 //! ```
 
 use std::process::{Child, Command, Stdio};
@@ -68,6 +71,12 @@ struct Run {
     transport: String,
     port: u16,
     socket: String,
+    /// rdmasink's allocation query reaches videotestsrc, which then writes each frame into a
+    /// buffer of the sink's pool (a send block). Otherwise, and always for the other sinks,
+    /// `identity drop-allocation=true` stands before the sink: upstream allocates its own
+    /// buffers and the sink copies each frame (shmsink's own allocator, let through, stalls
+    /// this pipeline: its 8-frame area never comes free while the probe holds a frame).
+    in_place: bool,
 }
 
 fn caps() -> String {
@@ -89,9 +98,10 @@ impl Run {
         // Unthrottled: not live and nobody syncs to the clock, so frames go as fast as the
         // slowest element allows. Black frames keep the source's own cost small.
         let src = format!(
-            "videotestsrc is-live={} pattern=black ! {} ! identity name=stamp drop-allocation=true",
+            "videotestsrc is-live={} pattern=black ! {} ! identity name=stamp drop-allocation={}",
             self.live,
-            caps()
+            caps(),
+            !(self.in_place && self.variant == Variant::Rdma)
         );
         let sink = match self.variant {
             Variant::Rdma => format!(
@@ -176,6 +186,7 @@ fn child(args: &[String]) {
         transport: get("--transport"),
         port: get("--port").parse().unwrap(),
         socket: get("--socket"),
+        in_place: get("--in-place") == "true",
     };
     let start: u64 = get("--start").parse().unwrap();
     let end: u64 = get("--end").parse().unwrap();
@@ -285,6 +296,8 @@ fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
             &run.port.to_string(),
             "--socket",
             &run.socket,
+            "--in-place",
+            if run.in_place { "true" } else { "false" },
             "--start",
             &start.to_string(),
             "--end",
@@ -348,9 +361,10 @@ fn main() {
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm]\n\
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place]\n\
              Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
-             for 640x480 RGB at 25 fps and unthrottled."
+             for 640x480 RGB at 25 fps and unthrottled. --in-place: videotestsrc writes into \
+             rdmasink's pool of send blocks (otherwise every sink copies each frame)."
         );
         return;
     }
@@ -358,6 +372,7 @@ fn main() {
     let warmup: f64 = opt("--warmup", "1").parse().expect("--warmup");
     let transport = opt("--transport", "tcp");
     let only = opt("--only", "rdma,tcp,shm");
+    let in_place = args.iter().any(|a| a == "--in-place");
     gst::init().unwrap();
     let dir = std::env::temp_dir().join(format!("gst-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -381,6 +396,7 @@ fn main() {
                 live,
                 transport: transport.clone(),
                 port: free_port(),
+                in_place,
                 socket: dir
                     .join(format!("shm-{}-{live}", variant.name()))
                     .display()
