@@ -1635,7 +1635,9 @@ fn frames_rendered_on_the_sources_thread_arrive_bit_exact_in_order() {
     let opts = SenderOptions {
         name: "render-here".into(),
         key: Some(key()),
-        send_blocks: 4,
+        // More send blocks than the whole stream takes (11), so a block is always free when a
+        // one-block frame comes: which thread renders it does not depend on timing.
+        send_blocks: 16,
         block_size: BLOCK,
         ..Default::default()
     };
