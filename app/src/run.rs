@@ -166,6 +166,11 @@ pub fn sender(
     );
     let mut sender = SenderHandle::start(opts, connector, cfg.queue_depth)?;
     let mut sources = Vec::new();
+    // The sliding-window baseline keeps its sources as they were (frames rendered by the
+    // filling thread): with its lanes, a source holding reserved blocks in one device's queue
+    // could leave the filling thread without a free block for another's (seen as a hang over
+    // verbs), and the comparison with the paper should not change under it.
+    let render_here = cfg.mechanism != "sliding-window";
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
         let (stop, frames) = (stop.clone(), d.frames);
@@ -174,9 +179,13 @@ pub fn sender(
                 .name(format!("source-{}", d.id))
                 .spawn(move || {
                     match producer {
-                        Runner::Builtin(p) => {
-                            p.run(&stop, frames, |f| input.push_rendering_here(f))
-                        }
+                        Runner::Builtin(p) => p.run(&stop, frames, |f| {
+                            if render_here {
+                                input.push_rendering_here(f)
+                            } else {
+                                input.push(f)
+                            }
+                        }),
                         #[cfg(feature = "gstreamer")]
                         Runner::Gstreamer(p) => {
                             if let Err(e) = p.run(&stop, |f| input.push(f)) {
