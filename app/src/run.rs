@@ -166,11 +166,12 @@ pub fn sender(
     );
     let mut sender = SenderHandle::start(opts, connector, cfg.queue_depth)?;
     let mut sources = Vec::new();
-    // The sliding-window baseline keeps its sources as they were (frames rendered by the
-    // filling thread): with its lanes, a source holding reserved blocks in one device's queue
-    // could leave the filling thread without a free block for another's (seen as a hang over
-    // verbs), and the comparison with the paper should not change under it.
-    let render_here = cfg.mechanism != "sliding-window";
+    // The sources push their frames (the filling thread renders them in place). Rendering on
+    // the sources' own threads into reserved blocks (`DeviceInput::push_rendering_here`) is not
+    // used yet: a reservation can starve the filling thread of the blocks a multi-block or
+    // resent lossless message needs (it hung the sliding-window test over verbs and the
+    // twenty-receiver-kills test of a lossless device); see issue 11.
+    let render_here = false;
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
         let (stop, frames) = (stop.clone(), d.frames);
