@@ -992,11 +992,12 @@ fn a_receivers_notice_reaches_the_sender_and_ends_nothing() {
 }
 
 /// A frame rendered in place: byte i is a function of (seed, i), so any range can be produced
-/// on its own. Records the ranges it was asked for.
+/// on its own. Records the ranges it was asked for, and which thread rendered each.
 struct Rendered {
     seed: u8,
     len: usize,
     calls: std::sync::Mutex<Vec<std::ops::Range<usize>>>,
+    threads: std::sync::Mutex<Vec<Option<String>>>,
 }
 
 impl Rendered {
@@ -1014,6 +1015,8 @@ impl rdmastream::engine::FrameWriter for Rendered {
     }
     fn write(&self, offset: usize, dst: &mut [u8]) {
         self.calls.lock().unwrap().push(offset..offset + dst.len());
+        let thread = std::thread::current().name().map(str::to_string);
+        self.threads.lock().unwrap().push(thread);
         for (k, b) in dst.iter_mut().enumerate() {
             *b = Self::byte(self.seed, offset + k);
         }
@@ -1051,6 +1054,7 @@ fn frames_written_in_place_and_copied_arrive_bit_exact_including_fragmented_ones
             seed,
             len,
             calls: Default::default(),
+            threads: Default::default(),
         });
         writers.push(w.clone());
         for data in [
@@ -1598,26 +1602,6 @@ fn a_sender_finishes_with_a_reservation_outstanding() {
     receiver.stop();
 }
 
-/// A frame that records which thread rendered each of its ranges.
-struct ThreadRendered {
-    seed: u8,
-    len: usize,
-    threads: std::sync::Mutex<Vec<Option<String>>>,
-}
-
-impl rdmastream::engine::FrameWriter for ThreadRendered {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn write(&self, offset: usize, dst: &mut [u8]) {
-        let name = std::thread::current().name().map(str::to_string);
-        self.threads.lock().unwrap().push(name);
-        for (k, b) in dst.iter_mut().enumerate() {
-            *b = Rendered::byte(self.seed, offset + k);
-        }
-    }
-}
-
 /// `push_rendering_here` renders a one-block frame on the source's own thread into a reserved
 /// block (not on the filling thread), a frame of several blocks falls back to the filling
 /// thread, and both arrive bit-exact and in order with a frame pushed as bytes between them.
@@ -1644,13 +1628,14 @@ fn frames_rendered_on_the_sources_thread_arrive_bit_exact_in_order() {
     let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
     let input = s.add_device(2, DropPolicy::Block);
     let lens = [cap, 100, 3 * cap + 5, cap - 1];
-    let writers: Vec<Arc<ThreadRendered>> = lens
+    let writers: Vec<Arc<Rendered>> = lens
         .iter()
         .enumerate()
         .map(|(i, &len)| {
-            Arc::new(ThreadRendered {
+            Arc::new(Rendered {
                 seed: i as u8,
                 len,
+                calls: Default::default(),
                 threads: Default::default(),
             })
         })
