@@ -192,8 +192,10 @@ fn numbered(dir: &Path, prefix: &str, suffix: &str) -> Vec<Vec<u8>> {
 
 const RGB_VGA: &str = "video/x-raw,format=RGB,width=640,height=480,framerate=25/1";
 
-#[test]
-fn raw_video_arrives_byte_exact_and_eos_ends_both_pipelines() {
+/// Streams 40 frames of 640×480 RGB from videotestsrc through rdmasink → rdmasrc (with
+/// `options` on both elements) into a file, checks the bytes equal videotestsrc ! filesink's
+/// and returns the sender's log.
+fn vga_arrives_byte_exact(options: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let port = free_port();
@@ -203,22 +205,28 @@ fn raw_video_arrives_byte_exact_and_eos_ends_both_pipelines() {
         "reference",
         &format!("{src} ! filesink location=ref.raw"),
     );
-    // 921600-byte frames in 256 KiB blocks: every frame spans four blocks.
     let rx = Launch::start(
         d,
         "receiver",
-        &format!("rdmasrc port={port} device-id=3 block-size=262144 ! filesink location=out.raw"),
+        &format!("rdmasrc port={port} {options} ! filesink location=out.raw"),
     );
     let tx = Launch::start(
         d,
         "sender",
-        &format!("{src} ! rdmasink port={port} device-id=3 block-size=262144 sync=false"),
+        &format!("{src} ! rdmasink port={port} {options} sync=false"),
     );
-    tx.success();
+    let log = tx.success();
     rx.success();
     let (expected, got) = (read(d.join("ref.raw")), read(d.join("out.raw")));
     assert_eq!(expected.len(), 40 * 921_600);
     assert!(expected == got, "received bytes differ from videotestsrc's");
+    log
+}
+
+#[test]
+fn raw_video_arrives_byte_exact_and_eos_ends_both_pipelines() {
+    // 921600-byte frames in 256 KiB blocks: every frame spans four blocks.
+    vga_arrives_byte_exact("device-id=3 block-size=262144");
 }
 
 /// With frames that fit one send block (the default 1 MiB blocks), `videotestsrc` allocates
@@ -226,35 +234,12 @@ fn raw_video_arrives_byte_exact_and_eos_ends_both_pipelines() {
 /// log says the frames went in place, and the bytes still match videotestsrc ! filesink.
 #[test]
 fn raw_video_written_in_place_into_send_blocks_arrives_byte_exact() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let port = free_port();
-    let src = format!("videotestsrc num-buffers=40 pattern=ball ! {RGB_VGA}");
-    run(
-        d,
-        "reference",
-        &format!("{src} ! filesink location=ref.raw"),
-    );
-    let rx = Launch::start(
-        d,
-        "receiver",
-        &format!("rdmasrc port={port} device-id=4 ! filesink location=out.raw"),
-    );
-    let tx = Launch::start(
-        d,
-        "sender",
-        &format!("{src} ! rdmasink port={port} device-id=4 sync=false"),
-    );
-    let log = tx.success();
-    rx.success();
+    let log = vga_arrives_byte_exact("device-id=4");
     assert!(
         log.contains("frames sent in place"),
         "videotestsrc did not write into the send blocks; log:\n{log}"
     );
     assert!(!log.contains("frames sent copied"), "log:\n{log}");
-    let (expected, got) = (read(d.join("ref.raw")), read(d.join("out.raw")));
-    assert_eq!(expected.len(), 40 * 921_600);
-    assert!(expected == got, "received bytes differ from videotestsrc's");
 }
 
 /// The same stream over the shm transport: `rdmasrc` listens on a Unix socket and `rdmasink`
