@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use rdmastream::engine::{FrameSink, ReceiverHandle, SenderHandle, SenderOptions, StreamKey};
+use rdmastream::engine::{
+    DropPolicy, FrameSink, ReceiverHandle, SenderHandle, SenderOptions, StreamKey,
+};
 use rdmastream::proto::Budget;
 use rdmastream::proto::handshake::Key;
 use rdmastream::stats::get;
@@ -18,7 +20,7 @@ use crate::config::{Device, SenderConfig, Source};
 use crate::http::HttpServer;
 use crate::monitor::{Engine, Monitor, ReceiverEngine, Role, SenderEngine};
 use crate::sink::DirectorySink;
-use crate::source::Producer;
+use crate::source::{Producer, SourceKind};
 use crate::thumbs::{ThumbnailTap, Thumbnails};
 use crate::watch::{LinkWatch, watched};
 
@@ -95,6 +97,66 @@ enum Runner {
     Gstreamer(crate::gst::LaunchSource),
 }
 
+/// Send blocks of one frame of a built-in source (`None`: not known before it streams).
+fn frame_blocks(kind: &Source, block_size: usize) -> Option<usize> {
+    let len = match kind {
+        Source::Builtin(SourceKind::CameraSynthetic { width, height, .. })
+        | Source::Builtin(SourceKind::Images { width, height, .. }) => {
+            *width as usize * *height as usize * 3
+        }
+        Source::Builtin(SourceKind::RadarSynthetic { size, .. }) => *size,
+        Source::Gstreamer(_) => return None,
+    };
+    Some(
+        len.div_ceil(rdmastream::proto::payload_capacity(block_size))
+            .max(1),
+    )
+}
+
+/// The sender's in-place send blocks: `in_place_blocks` as configured, else half of
+/// `send_blocks` when a synthetic source's frames fit one block (those render in place), but
+/// never so many that a lossless device's frame no longer fits the filling thread's blocks with
+/// one to spare (the sender keeps a lossless message for resending only then), and none when a
+/// lossless device's frame size is not known up front. A configured value that costs a lossless
+/// device its resending is warned about, naming the device.
+fn in_place_blocks(cfg: &SenderConfig, devices: &[Device]) -> usize {
+    let lossless: Vec<(u8, Option<usize>)> = devices
+        .iter()
+        .filter(|d| d.policy == DropPolicy::Block)
+        .map(|d| (d.id, frame_blocks(&d.kind, cfg.block_size)))
+        .collect();
+    if let Some(n) = cfg.in_place_blocks {
+        let filling = cfg.send_blocks - n;
+        for (id, blocks) in &lossless {
+            if let Some(b) = blocks
+                && *b >= filling
+            {
+                tracing::warn!(
+                    device = id,
+                    "in_place_blocks = {n} leaves the filling thread {filling} of {} send blocks: this lossless device's frames need {b}, so they are not kept for resending after a receiver crash",
+                    cfg.send_blocks
+                );
+            }
+        }
+        return n;
+    }
+    let renders = devices.iter().any(|d| {
+        matches!(
+            d.kind,
+            Source::Builtin(SourceKind::CameraSynthetic { .. } | SourceKind::RadarSynthetic { .. })
+        ) && frame_blocks(&d.kind, cfg.block_size) == Some(1)
+    });
+    if !renders {
+        return 0;
+    }
+    let mut n = cfg.send_blocks / 2;
+    for (_, blocks) in lossless {
+        let Some(b) = blocks else { return 0 };
+        n = n.min(cfg.send_blocks.saturating_sub(b + 1));
+    }
+    n
+}
+
 /// Runs a sender: builds every device's source (a source that cannot be built is a
 /// [`ConfigError`] naming the device), streams through `connector` until the sources end,
 /// `duration` seconds pass or `stop` is set (Ctrl-C), then delivers what is left within the
@@ -137,10 +199,14 @@ pub fn sender(
         ..Default::default()
     });
     let connector = watched(connector, link.clone());
+    // Synthetic sources render their frames on their own threads into in-place blocks
+    // (`DeviceInput::push_rendering_here`); the filling thread keeps the other blocks.
+    let in_place_blocks = in_place_blocks(cfg, devices);
     let opts = SenderOptions {
         name: cfg.name.clone(),
         key,
         send_blocks: cfg.send_blocks,
+        in_place_blocks,
         block_size: cfg.block_size,
         max_outstanding: cfg.max_outstanding,
         first_packet: cfg.first_packet,
@@ -155,23 +221,21 @@ pub fn sender(
         ..Default::default()
     };
     tracing::info!(
-        "sender '{}' -> {} ({}, {} mechanism): {} devices, {} send blocks of {} bytes",
+        "sender '{}' -> {} ({}, {} mechanism): {} devices, {} send blocks of {} bytes ({} for frames rendered in place)",
         cfg.name,
         cfg.receiver,
         cfg.transport,
         cfg.mechanism,
         devices.len(),
         cfg.send_blocks,
-        cfg.block_size
+        cfg.block_size,
+        in_place_blocks
     );
     let mut sender = SenderHandle::start(opts, connector, cfg.queue_depth)?;
     let mut sources = Vec::new();
-    // The sources push their frames (the filling thread renders them in place). Rendering on
-    // the sources' own threads into reserved blocks (`DeviceInput::push_rendering_here`) is not
-    // used yet: a reservation can starve the filling thread of the blocks a multi-block or
-    // resent lossless message needs (it hung the sliding-window test over verbs and the
-    // twenty-receiver-kills test of a lossless device); see issue 11.
-    let render_here = false;
+    // Built-in sources render each frame on their own thread straight into an in-place send
+    // block when one is free (else the filling thread renders it into one of its own).
+    let render_here = in_place_blocks > 0;
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
         let (stop, frames) = (stop.clone(), d.frames);
@@ -484,4 +548,47 @@ pub fn receiver(receiver: ReceiverHandle, run: ReceiverRun<'_>, stop: Arc<Atomic
         tracing::info!("verify: all {verified} synthetic frames match the reference pattern");
     }
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks_for(text: &str) -> usize {
+        let file = Path::new("sender.toml");
+        let cfg = SenderConfig::parse(
+            &format!("name = \"t\"\nreceiver = \"127.0.0.1:1\"\n{text}"),
+            file,
+        )
+        .unwrap();
+        let devices = cfg.validate(file).unwrap();
+        in_place_blocks(&cfg, &devices)
+    }
+
+    #[test]
+    fn in_place_blocks_default_to_half_but_leave_lossless_frames_their_blocks() {
+        let camera = "[[device]]\nid = 1\nsource = \"camera-synthetic\"\n";
+        let lossless_radar = |size: usize| {
+            format!(
+                "[[device]]\nid = 9\nsource = \"radar-synthetic\"\nsize = {size}\npolicy = \"block\"\n"
+            )
+        };
+        // Cameras render in place: half of the send blocks.
+        assert_eq!(blocks_for(camera), 4);
+        assert_eq!(blocks_for(&format!("send_blocks = 5\n{camera}")), 2);
+        // A lossless 3-block radar leaves the filling thread 4 of 8 blocks (3 + 1 to spare).
+        let radar = lossless_radar(3_000_000);
+        assert_eq!(blocks_for(&format!("{camera}{radar}")), 4);
+        assert_eq!(blocks_for(&format!("send_blocks = 6\n{camera}{radar}")), 2);
+        assert_eq!(blocks_for(&format!("send_blocks = 4\n{camera}{radar}")), 0);
+        // Nothing renders in place: none; configured: as configured.
+        let five = lossless_radar(5_000_000);
+        assert_eq!(blocks_for(&format!("{camera}{five}")), 2);
+        assert_eq!(blocks_for(&radar), 0);
+        assert_eq!(
+            blocks_for("[[device]]\nid = 2\nsource = \"images\"\ndir = \".\"\n"),
+            0
+        );
+        assert_eq!(blocks_for(&format!("in_place_blocks = 7\n{camera}")), 7);
+    }
 }

@@ -1447,7 +1447,8 @@ fn a_sender_over_an_ordered_transport_seals_over_the_header_only() {
 
 /// Frames written into reserved send blocks ([`DeviceInput::reserve`]) and committed arrive
 /// bit-exact and in order between frames pushed as bytes; an abandoned reservation frees its
-/// block; reservations beyond one block or beyond all blocks but one are refused.
+/// block; a reservation beyond one block is refused, one beyond the in-place blocks waits, and
+/// pushed frames still go while every in-place block is held.
 ///
 /// [`DeviceInput::reserve`]: rdmastream::engine::DeviceInput::reserve
 #[test]
@@ -1497,6 +1498,7 @@ fn run_reserved(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
     use rdmastream::engine::{NotReserved, SourceFrame};
     const BLOCK: usize = 4096;
     const BLOCKS: usize = 4;
+    const IN_PLACE: usize = 2;
     let cap = rdmastream::proto::payload_capacity(BLOCK);
     let sink = Arc::new(Hoard::default());
     let receiver =
@@ -1506,23 +1508,45 @@ fn run_reserved(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
         key: Some(key()),
         send_blocks: BLOCKS,
         block_size: BLOCK,
+        in_place_blocks: IN_PLACE,
         ..Default::default()
     };
     let s = SenderHandle::start(opts, connector, 4).unwrap();
     let input = s.add_device(3, DropPolicy::Block);
+    let other = s.add_device(4, DropPolicy::Block);
     let wait = Duration::from_secs(10);
     assert_eq!(
         input.reserve(cap + 1, wait).unwrap_err(),
         NotReserved::TooLarge
     );
-    // All blocks but one can be reserved at once; the last stays the filling thread's.
-    let held: Vec<_> = (0..BLOCKS - 1)
+    // The in-place blocks can all be reserved at once; then reserving waits.
+    let held: Vec<_> = (0..IN_PLACE)
         .map(|_| input.reserve(100, wait).unwrap())
         .collect();
     assert_eq!(
         input.reserve(100, Duration::from_millis(50)).unwrap_err(),
-        NotReserved::Busy
+        NotReserved::TimedOut
     );
+    // Meanwhile pushed frames still go, in the filling thread's own blocks (one of them
+    // fragmented over both).
+    let pushed = Rendered::bytes(9, cap + 10);
+    assert!(other.push(SourceFrame {
+        index: 0,
+        timestamp_ns: 1,
+        duration_ns: 0,
+        pts_ns: None,
+        format: "application/octet-stream".into(),
+        data: pushed.clone().into(),
+    }));
+    assert!(wait_until(Duration::from_secs(10), || {
+        sink.0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(_, d)| d[..] == pushed[..])
+    }));
+    sink.0.lock().unwrap().clear();
+    other.end();
     drop(held);
     let lens = [cap, 1000, 0, 1, cap - 1, 333];
     let mut want = Vec::new();
@@ -1580,6 +1604,7 @@ fn a_sender_finishes_with_a_reservation_outstanding() {
         key: Some(key()),
         send_blocks: 4,
         block_size: 4096,
+        in_place_blocks: 2,
         ..Default::default()
     };
     let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
@@ -1619,9 +1644,12 @@ fn frames_rendered_on_the_sources_thread_arrive_bit_exact_in_order() {
     let opts = SenderOptions {
         name: "render-here".into(),
         key: Some(key()),
-        // More send blocks than the whole stream takes (11), so a block is always free when a
-        // one-block frame comes: which thread renders it does not depend on timing.
-        send_blocks: 16,
+        // More in-place blocks than the stream's one-block rendered frames (3), and more filling
+        // blocks than the rest takes (10), so an in-place block is always free when a one-block
+        // frame comes (the filling thread borrows one only when none of its own is): which
+        // thread renders it does not depend on timing.
+        send_blocks: 32,
+        in_place_blocks: 16,
         block_size: BLOCK,
         ..Default::default()
     };
@@ -1704,4 +1732,144 @@ fn frames_rendered_on_the_sources_thread_arrive_bit_exact_in_order() {
             );
         }
     }
+}
+
+/// Sources holding every in-place block (reserved, then committed late) never starve the
+/// filling thread: a lossless device's two-block frames, which the sender keeps until the
+/// receiver confirms them, still go meanwhile, and everything arrives once the reservations
+/// are committed. (With one free list, reservations could take all blocks but one; the
+/// filling thread then waited for ever for the second block of such a frame, while the
+/// committed frames that would have freed blocks sat in a queue behind it.)
+#[test]
+fn reservations_never_starve_a_lossless_device_of_send_blocks() {
+    use rdmastream::engine::{NotReserved, SourceFrame};
+    const BLOCK: usize = 4096;
+    let cap = rdmastream::proto::payload_capacity(BLOCK);
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, BLOCK, vec![]));
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "starve".into(),
+        key: Some(key()),
+        send_blocks: 6,
+        in_place_blocks: 3,
+        block_size: BLOCK,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 8).unwrap();
+    let reserving = s.add_device(1, DropPolicy::Block);
+    let pushing = s.add_device(2, DropPolicy::Block);
+    let mut held = Vec::new();
+    loop {
+        match reserving.reserve(100, Duration::from_millis(200)) {
+            Ok(r) => held.push(r),
+            Err(e) => {
+                assert_eq!(e, NotReserved::TimedOut);
+                break;
+            }
+        }
+    }
+    assert_eq!(held.len(), 3, "every in-place block, and no other");
+    let big = |i: u64| Rendered::bytes(50 + i as u8, cap + 100);
+    for i in 0..6 {
+        assert!(pushing.push(SourceFrame {
+            index: i,
+            timestamp_ns: 1,
+            duration_ns: 0,
+            pts_ns: None,
+            format: "application/octet-stream".into(),
+            data: big(i).into(),
+        }));
+    }
+    pushing.end();
+    assert!(
+        wait_until(Duration::from_secs(10), || sink.0.lock().unwrap().len()
+            == 6),
+        "the lossless device's frames went while the in-place blocks were held"
+    );
+    for (k, mut r) in held.into_iter().enumerate() {
+        r.payload_mut()
+            .copy_from_slice(&Rendered::bytes(k as u8, 100));
+        assert!(r.commit(meta(k as u64)));
+    }
+    reserving.end();
+    let report = s.finish(Duration::from_secs(20)).unwrap();
+    assert_eq!((report.unsent, report.undelivered_frames), (0, 0));
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    receiver.stop();
+    let got = sink.0.lock().unwrap().clone();
+    let want: Vec<_> = (0..6u64)
+        .map(|i| (i, big(i)))
+        .chain((0..3u64).map(|k| (k, Rendered::bytes(k as u8, 100))))
+        .collect();
+    assert_eq!(got.len(), want.len());
+    for ((i, d), (wi, wd)) in got.iter().zip(&want) {
+        assert_eq!((i, &d[..]), (wi, &wd[..]));
+    }
+}
+
+/// A sender without in-place blocks (the default) refuses reservations, and
+/// `push_rendering_here` then pushes: the filling thread renders the frame.
+#[test]
+fn without_in_place_blocks_frames_are_rendered_by_the_filling_thread() {
+    use rdmastream::engine::{FrameData, NotReserved, SourceFrame};
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 4096, vec![]));
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "no-in-place".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: 4096,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
+    let input = s.add_device(1, DropPolicy::Block);
+    assert_eq!(
+        input.reserve(10, Duration::from_secs(1)).unwrap_err(),
+        NotReserved::Unavailable
+    );
+    let w = Arc::new(Rendered {
+        seed: 7,
+        len: 1000,
+        calls: Default::default(),
+        threads: Default::default(),
+    });
+    let source = {
+        let (input, w) = (input.clone(), w.clone());
+        std::thread::Builder::new()
+            .name("camera-1".into())
+            .spawn(move || {
+                assert!(input.push_rendering_here(SourceFrame {
+                    index: 0,
+                    timestamp_ns: 1,
+                    duration_ns: 0,
+                    pts_ns: None,
+                    format: "x".into(),
+                    data: FrameData::Render(w),
+                }));
+                input.end();
+            })
+            .unwrap()
+    };
+    source.join().unwrap();
+    drop(input);
+    s.finish(Duration::from_secs(20)).unwrap();
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    receiver.stop();
+    assert_eq!(
+        sink.0.lock().unwrap()[0].1[..],
+        Rendered::bytes(7, 1000)[..]
+    );
+    let threads = w.threads.lock().unwrap().clone();
+    assert!(
+        !threads.contains(&Some("camera-1".to_string())),
+        "rendered by the filling thread: {threads:?}"
+    );
 }

@@ -319,6 +319,16 @@ impl DeviceLease {
         input.push(frame)
     }
 
+    /// Send blocks the connection's sender sets aside for frames written in place (0 once
+    /// the lease is ended).
+    pub fn in_place_blocks(&self) -> usize {
+        self.input
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |i| i.in_place_blocks())
+    }
+
     /// Takes a send block for a frame of `len` bytes written in place (see
     /// [`DeviceInput::reserve`]).
     pub fn reserve(

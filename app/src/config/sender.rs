@@ -25,6 +25,10 @@ pub struct SenderConfig {
     pub key_file: Option<PathBuf>,
     #[serde(default = "d_send_blocks")]
     pub send_blocks: usize,
+    /// Send blocks set aside for frames the built-in sources render in place; `None`: half of
+    /// `send_blocks` when a device has a built-in source, else 0.
+    #[serde(default)]
+    pub in_place_blocks: Option<usize>,
     #[serde(default = "d_block_size")]
     pub block_size: usize,
     #[serde(default = "d_outstanding")]
@@ -162,6 +166,18 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
         return Err(err(
             "send_blocks",
             format!("{} is not in 1..=4096", cfg.send_blocks),
+        ));
+    }
+    if let Some(n) = cfg.in_place_blocks
+        && n >= cfg.send_blocks
+    {
+        return Err(err(
+            "in_place_blocks",
+            format!(
+                "{n} leaves none of the {} send blocks for the filling thread (at most {})",
+                cfg.send_blocks,
+                cfg.send_blocks - 1
+            ),
         ));
     }
     if cfg.block_size <= rdmastream::proto::OVERHEAD || cfg.block_size > 1 << 30 {

@@ -32,6 +32,8 @@ const DEFAULT_PORT: u32 = 7471;
 const DEFAULT_TRANSPORT: Transport = Transport::Auto;
 const DEFAULT_DEVICE_ID: u32 = 0;
 const DEFAULT_BLOCKS: u32 = 8;
+/// `in-place-blocks`: -1, half of `blocks`.
+const DEFAULT_IN_PLACE_BLOCKS: i32 = -1;
 const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
 const DEFAULT_IB_PORT: u32 = 1;
 const DEFAULT_GID_INDEX: i32 = -1;
@@ -55,6 +57,7 @@ struct Settings {
     transport: Transport,
     device_id: u32,
     blocks: u32,
+    in_place_blocks: i32,
     block_size: u32,
     rdma_device: Option<String>,
     ib_port: u32,
@@ -78,6 +81,7 @@ impl Default for Settings {
             transport: DEFAULT_TRANSPORT,
             device_id: DEFAULT_DEVICE_ID,
             blocks: DEFAULT_BLOCKS,
+            in_place_blocks: DEFAULT_IN_PLACE_BLOCKS,
             block_size: DEFAULT_BLOCK_SIZE,
             rdma_device: None,
             ib_port: DEFAULT_IB_PORT,
@@ -501,6 +505,14 @@ impl ObjectImpl for RdmaSink {
                     .default_value(DEFAULT_BLOCKS)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecInt::builder("in-place-blocks")
+                    .nick("In-place send blocks")
+                    .blurb("Send blocks of the connection set aside for the buffer pool upstream writes frames into (the others carry copied frames, caps and EOS; the filling thread never takes one of these, so a frame waiting in place never holds up a copied one); -1: half of `blocks`; 0: no pool, every frame is copied. Set by the first sink of a shared connection")
+                    .minimum(-1)
+                    .maximum(4095)
+                    .default_value(DEFAULT_IN_PLACE_BLOCKS)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecUInt::builder("block-size")
                     .nick("Block size")
                     .blurb("Bytes per block including the 60-byte header and trailer; must not exceed the receiver's. Larger buffers span several blocks. (Not the inherited `blocksize`, a BaseSink setting for pull mode that this element does not use)")
@@ -596,6 +608,7 @@ impl ObjectImpl for RdmaSink {
             "transport" => s.transport = value.get().expect("type checked upstream"),
             "device-id" => s.device_id = value.get().expect("type checked upstream"),
             "blocks" => s.blocks = value.get().expect("type checked upstream"),
+            "in-place-blocks" => s.in_place_blocks = value.get().expect("type checked upstream"),
             "block-size" => s.block_size = value.get().expect("type checked upstream"),
             "rdma-device" => s.rdma_device = value.get().expect("type checked upstream"),
             "ib-port" => s.ib_port = value.get().expect("type checked upstream"),
@@ -622,6 +635,7 @@ impl ObjectImpl for RdmaSink {
             "transport" => s.transport.to_value(),
             "device-id" => s.device_id.to_value(),
             "blocks" => s.blocks.to_value(),
+            "in-place-blocks" => s.in_place_blocks.to_value(),
             "block-size" => s.block_size.to_value(),
             "rdma-device" => s.rdma_device.to_value(),
             "ib-port" => s.ib_port.to_value(),
@@ -723,6 +737,20 @@ impl BaseSinkImpl for RdmaSink {
                 .map_err(|e| gst::error_msg!(gst::ResourceError::Settings, ("{e}")))?;
         let peer = join_host_port(&settings.host, settings.port);
         let element = self.obj().name().to_string();
+        let in_place_blocks = match settings.in_place_blocks {
+            -1 => settings.blocks / 2,
+            n => n as u32,
+        };
+        if in_place_blocks >= settings.blocks {
+            return Err(gst::error_msg!(
+                gst::ResourceError::Settings,
+                (
+                    "in-place-blocks={in_place_blocks} leaves none of blocks={} for copied frames, caps and EOS (at most {})",
+                    settings.blocks,
+                    settings.blocks - 1
+                )
+            ));
+        }
         let lease = DeviceLease::acquire(LeaseRequest {
             key: SenderKey {
                 transport: settings.transport,
@@ -734,6 +762,7 @@ impl BaseSinkImpl for RdmaSink {
                 key,
                 send_blocks: settings.blocks as usize,
                 block_size: settings.block_size as usize,
+                in_place_blocks: in_place_blocks as usize,
                 ..Default::default()
             },
             verbs: VerbsSettings {
@@ -934,6 +963,7 @@ impl BaseSinkImpl for RdmaSink {
             && need_pool
             && policy == DropPolicyProperty::Block
             && !self.obj().enables_last_sample()
+            && s.lease.in_place_blocks() > 0
         {
             let pool = s
                 .pool

@@ -143,9 +143,9 @@ impl BufferPoolImpl for BlockPoolImp {
                 }
                 Err(NotReserved::TimedOut) => continue,
                 Err(NotReserved::Stopped) => return Err(gst::FlowError::Flushing),
-                // Too large for one block, or the blocks are all reserved: an ordinary buffer,
+                // Too large for one block, or no in-place blocks: an ordinary buffer,
                 // which `render` copies.
-                Err(NotReserved::TooLarge | NotReserved::Busy) => {
+                Err(NotReserved::TooLarge | NotReserved::Unavailable) => {
                     return gst::Buffer::with_size(size).map_err(|_| gst::FlowError::Error);
                 }
             }

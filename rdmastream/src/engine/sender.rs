@@ -8,7 +8,7 @@
 mod window;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -65,6 +65,14 @@ pub struct SenderOptions {
     /// 2, docs/protocol.md "Coalesced blocks"); zero turns coalescing off. Ignored for the
     /// sliding window.
     pub coalesce_wait: Duration,
+    /// Send blocks set aside for frames sources write in place ([`DeviceInput::reserve`]):
+    /// the last `in_place_blocks` of them. Reservations never take one of the others, and the
+    /// filling thread borrows one only when none of its own is free, never waiting for it: a
+    /// committed frame waiting in a queue can never hold a block the filling thread needs to
+    /// get to it (docs/protocol.md, "Frames written in place"). Zero (the default): `reserve`
+    /// answers [`NotReserved::Unavailable`]. Must leave at least one block for the filling
+    /// thread.
+    pub in_place_blocks: usize,
 }
 
 impl Default for SenderOptions {
@@ -80,6 +88,7 @@ impl Default for SenderOptions {
             first_packet: 0,
             sliding_window: false,
             coalesce_wait: Duration::ZERO,
+            in_place_blocks: 0,
         }
     }
 }
@@ -91,22 +100,32 @@ enum Msg {
     End,
 }
 
-/// A committed reservation on its way to the filling thread: send block `block` holds the
-/// frame's `len` payload bytes after the header room.
-///
-/// It still counts as reserved until the filling thread is done with it (or it is dropped from
-/// the queue): committed frames waiting in a queue hold their blocks too, and the filling
-/// thread must always find one block that no reservation holds.
+/// A committed reservation on its way to the filling thread: send block `block` (one of the
+/// in-place blocks) holds the frame's `len` payload bytes after the header room.
 struct Committed {
     block: usize,
     len: usize,
     meta: FrameMeta,
-    reserved: Arc<AtomicUsize>,
 }
 
-impl Drop for Committed {
-    fn drop(&mut self) {
-        self.reserved.fetch_sub(1, Ordering::AcqRel);
+/// Where a send block goes once it is free again: the filling thread's free list, or (for the
+/// last `in_place` blocks, [`SenderOptions::in_place_blocks`]) the reservations' one.
+#[derive(Clone)]
+struct FreeLists {
+    filling: Sender<usize>,
+    in_place: Sender<usize>,
+    /// The first in-place block (the block count when there are none).
+    first_in_place: usize,
+}
+
+impl FreeLists {
+    fn release(&self, block: usize) {
+        let list = if block >= self.first_in_place {
+            &self.in_place
+        } else {
+            &self.filling
+        };
+        let _ = list.send(block);
     }
 }
 
@@ -116,11 +135,11 @@ impl Drop for Committed {
 pub enum NotReserved {
     /// The frame does not fit in one send block with its header and trailer.
     TooLarge,
-    /// Every send block but one stayed reserved (held by sources, or committed and not yet
-    /// taken by the filling thread) until the timeout: the last one is kept for the filling
-    /// thread (format and end-of-stream messages, copied frames), so it can always go on.
-    Busy,
-    /// No send block came free within the timeout (the link is slower than the source).
+    /// The sender sets no send blocks aside for frames written in place
+    /// ([`SenderOptions::in_place_blocks`] is zero).
+    Unavailable,
+    /// No in-place block came free within the timeout (they are all held by sources, or by
+    /// frames on their way: the link is slower than the sources).
     TimedOut,
     /// The sender stopped: nothing will be sent any more.
     Stopped,
@@ -175,7 +194,6 @@ impl Reservation {
             block: self.block,
             len: self.len,
             meta,
-            reserved: self.input.reserved.clone(),
         };
         if self.input.stopped.load(Ordering::Acquire) {
             return false; // nothing will be taken any more
@@ -188,7 +206,6 @@ impl Drop for Reservation {
     fn drop(&mut self) {
         if self.lease.take().is_some() {
             // Abandoned: the block was never handed over, it is free again.
-            self.input.reserved.fetch_sub(1, Ordering::AcqRel);
             let _ = self.input.free_tx.send(self.block);
         }
     }
@@ -210,18 +227,24 @@ pub struct DeviceInput {
     counters: Arc<DeviceCounters>,
     /// Set once the sender stopped (finished, failed or aborted): nothing will be taken any more.
     stopped: Arc<AtomicBool>,
-    /// The send blocks and their free list, for reservations.
+    /// The send blocks, and the free list of the in-place ones, for reservations.
     blocks: Arc<SendBlocks>,
     free_rx: Receiver<usize>,
     free_tx: Sender<usize>,
-    /// Reservations not yet committed or dropped, over all devices of the sender.
-    reserved: Arc<AtomicUsize>,
+    /// How many blocks are set aside for reservations.
+    in_place_blocks: usize,
 }
 
 impl DeviceInput {
     /// Device number.
     pub fn device(&self) -> u8 {
         self.device
+    }
+
+    /// Send blocks the sender sets aside for frames written in place
+    /// ([`SenderOptions::in_place_blocks`]); zero: [`reserve`](Self::reserve) refuses.
+    pub fn in_place_blocks(&self) -> usize {
+        self.in_place_blocks
     }
 
     /// Queues a frame under the device's policy. Returns false once the sender has shut down.
@@ -232,9 +255,10 @@ impl DeviceInput {
     /// Like [`push`](Self::push), but a frame the source renders ([`FrameData::Render`]) is
     /// rendered here, on the caller's thread, straight into a reserved send block, and
     /// committed: so several sources render side by side instead of in turn on the filling
-    /// thread, and still without a copy. When no block is free right now (or the frame needs
-    /// more than one block) the frame is pushed and the filling thread renders it once a block
-    /// comes free: a source never waits here longer than a push would make it. Returns false once the sender has shut down.
+    /// thread, and still without a copy. When no in-place block is free right now (or the
+    /// sender sets none aside, or the frame needs more than one block) the frame is pushed and
+    /// the filling thread renders it once one of its blocks comes free: a source never waits
+    /// here longer than a push would make it. Returns false once the sender has shut down.
     pub fn push_rendering_here(&self, frame: SourceFrame) -> bool {
         let FrameData::Render(writer) = &frame.data else {
             return self.push(frame);
@@ -255,33 +279,20 @@ impl DeviceInput {
         }
     }
 
-    /// Takes a free send block for a frame of `len` bytes that the caller writes in place
-    /// ([`Reservation::payload_mut`]) and then commits, instead of pushing a copy. Waits up to
-    /// `timeout` for a block to come free (zero: takes one only if one is free now). Only for frames that fit in one block; at most all
-    /// blocks but one are reserved at a time (see [`NotReserved`]).
+    /// Takes a free in-place send block ([`SenderOptions::in_place_blocks`]) for a frame of
+    /// `len` bytes that the caller writes in place ([`Reservation::payload_mut`]) and then
+    /// commits, instead of pushing a copy. Waits up to `timeout` for one to come free (zero:
+    /// takes one only if one is free now). Only for frames that fit in one block.
     pub fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved> {
+        if self.in_place_blocks == 0 {
+            return Err(NotReserved::Unavailable);
+        }
         if len > crate::proto::payload_capacity(self.blocks.block_size()) {
             return Err(NotReserved::TooLarge);
         }
-        let limit = self.blocks.count().saturating_sub(1);
         let deadline = Instant::now() + timeout;
-        // Committed frames count until the filling thread takes them, which is soon: poll
-        // briefly for one of those to go (a caller holding them all itself gets `Busy`).
-        while self
-            .reserved
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < limit).then_some(n + 1)
-            })
-            .is_err()
-        {
-            if limit == 0 || Instant::now() >= deadline || self.stopped.load(Ordering::Acquire) {
-                return Err(NotReserved::Busy);
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
         loop {
             if self.stopped.load(Ordering::Acquire) {
-                self.reserved.fetch_sub(1, Ordering::AcqRel);
                 return Err(NotReserved::Stopped);
             }
             // A block free now is taken even with a zero timeout.
@@ -295,7 +306,6 @@ impl DeviceInput {
             }
             let now = Instant::now();
             if now >= deadline {
-                self.reserved.fetch_sub(1, Ordering::AcqRel);
                 return Err(NotReserved::TimedOut);
             }
             let wait = (deadline - now).min(Duration::from_millis(50));
@@ -447,11 +457,11 @@ pub struct SenderHandle {
     live: Arc<parking_lot::Mutex<SenderStats>>,
     /// Every device queue, to count the frames left in them at shutdown.
     queues: parking_lot::Mutex<Vec<Receiver<Msg>>>,
-    /// For the devices' reservations: the send blocks, their free list, the count reserved.
+    /// For the devices' reservations: the send blocks, the in-place blocks' free list.
     blocks: Arc<SendBlocks>,
     free_rx: Receiver<usize>,
     free_tx: Sender<usize>,
-    reserved: Arc<AtomicUsize>,
+    in_place_blocks: usize,
 }
 
 impl SenderHandle {
@@ -470,24 +480,43 @@ impl SenderHandle {
                 format!("must be larger than {} bytes", crate::proto::OVERHEAD),
             ));
         }
+        if opts.in_place_blocks >= opts.send_blocks {
+            return Err(Error::invalid(
+                "in_place_blocks",
+                format!(
+                    "{} of {} send blocks leaves none for the filling thread (at most {})",
+                    opts.in_place_blocks,
+                    opts.send_blocks,
+                    opts.send_blocks - 1
+                ),
+            ));
+        }
         let blocks = connector.alloc_send_blocks(opts.send_blocks, opts.block_size)?;
+        // Two free lists: the filling thread's blocks, then the in-place ones.
+        let first_in_place = opts.send_blocks - opts.in_place_blocks;
         let (free_tx, free_rx) = crossbeam_channel::unbounded();
+        let (reserve_tx, reserve_rx) = crossbeam_channel::unbounded();
+        let free_lists = FreeLists {
+            filling: free_tx,
+            in_place: reserve_tx.clone(),
+            first_in_place,
+        };
         for i in 0..opts.send_blocks {
-            free_tx.send(i).expect("receiver alive");
+            free_lists.release(i);
         }
         let (filled_tx, filled_rx) = crossbeam_channel::unbounded();
         let (control_tx, control_rx) = crossbeam_channel::unbounded();
         let abort = Arc::new(AtomicBool::new(false));
         let drops = Arc::new(AtomicU64::new(0));
         let live = Arc::new(parking_lot::Mutex::new(SenderStats::default()));
-        let (reserve_rx, reserve_tx) = (free_rx.clone(), free_tx.clone());
         let filling = {
-            let (blocks, abort, first_packet, drops, free_tx) = (
+            let (blocks, abort, first_packet, drops, free_lists, in_place) = (
                 blocks.clone(),
                 abort.clone(),
                 opts.first_packet,
                 drops.clone(),
-                free_tx.clone(),
+                free_lists.clone(),
+                reserve_rx.clone(),
             );
             // The sliding-window baseline keeps each device on its own connection, so its
             // messages never share a block.
@@ -503,7 +532,7 @@ impl SenderHandle {
                 filling_thread(
                     blocks,
                     control_rx,
-                    (free_rx, free_tx),
+                    (free_rx, in_place, free_lists),
                     filled_tx,
                     abort,
                     first_packet,
@@ -515,12 +544,13 @@ impl SenderHandle {
         };
         let counters = Arc::new(Registry::default());
         let reserve_blocks = blocks.clone();
+        let in_place_blocks = opts.in_place_blocks;
         let sending = {
             let state = Sending {
                 machine: SenderMachine::new(opts.max_outstanding),
                 meta: vec![None; opts.send_blocks],
                 coalesced: vec![Vec::new(); opts.send_blocks],
-                free: free_tx,
+                free: free_lists,
                 counters: counters.clone(),
             };
             let t = SendingThread {
@@ -553,7 +583,7 @@ impl SenderHandle {
             blocks: reserve_blocks,
             free_rx: reserve_rx,
             free_tx: reserve_tx,
-            reserved: Arc::new(AtomicUsize::new(0)),
+            in_place_blocks,
         })
     }
 
@@ -581,7 +611,7 @@ impl SenderHandle {
             blocks: self.blocks.clone(),
             free_rx: self.free_rx.clone(),
             free_tx: self.free_tx.clone(),
-            reserved: self.reserved.clone(),
+            in_place_blocks: self.in_place_blocks,
         }
     }
 
@@ -651,7 +681,7 @@ impl Drop for SenderHandle {
 fn filling_thread(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
-    free: (Receiver<usize>, Sender<usize>),
+    free: (Receiver<usize>, Receiver<usize>, FreeLists),
     filled: Sender<ToSending>,
     abort: Arc<AtomicBool>,
     first_packet: u16,
@@ -681,7 +711,7 @@ fn filling_thread(
 fn filling_loop(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
-    (free, free_tx): (Receiver<usize>, Sender<usize>),
+    (free, in_place, free_lists): (Receiver<usize>, Receiver<usize>, FreeLists),
     filled: Sender<ToSending>,
     abort: Arc<AtomicBool>,
     first_packet: u16,
@@ -691,18 +721,41 @@ fn filling_loop(
     placement: Placement,
 ) {
     let block_size = blocks.block_size();
-    let mut machine = FillingMachine::new(block_size, blocks.count(), first_packet);
+    // Lossless messages are kept in this thread's blocks only (the in-place ones are the
+    // reservations'): one that needs them all could never be completed.
+    let mut machine = FillingMachine::new(block_size, free_lists.first_in_place, first_packet);
     // The queues of streaming devices, and of devices waiting for their number's stream to end.
     let mut queues: Vec<(u8, Receiver<Msg>)> = Vec::new();
     let mut waiting: Vec<(u8, Receiver<Msg>)> = Vec::new();
     let mut control_open = true;
     let mut drops_seen = 0;
     // Takes a free send block; gives up only on abort.
-    let take_free = || loop {
-        match free.recv_timeout(Duration::from_millis(50)) {
-            Ok(i) => return Some(i),
-            Err(RecvTimeoutError::Timeout) if !abort.load(Ordering::Acquire) => continue,
-            Err(_) => return None,
+    // Its own blocks first; with none free, an in-place block that is free borrowed (so a
+    // sender whose sources do not reserve still fills with every block). It never depends on
+    // an in-place block: it takes whichever comes free first (docs/protocol.md, "Frames
+    // written in place").
+    let take_free = || {
+        if let Ok(i) = free.try_recv() {
+            return Some(i);
+        }
+        if let Ok(i) = in_place.try_recv() {
+            return Some(i);
+        }
+        loop {
+            let mut sel = Select::new();
+            sel.recv(&free);
+            sel.recv(&in_place);
+            match sel.select_timeout(Duration::from_millis(50)) {
+                Ok(op) => {
+                    let list = if op.index() == 0 { &free } else { &in_place };
+                    if let Ok(i) = op.recv(list) {
+                        return Some(i);
+                    }
+                    return None; // disconnected: the sender is gone
+                }
+                Err(_) if !abort.load(Ordering::Acquire) => continue,
+                Err(_) => return None,
+            }
         }
     };
     // Copies one planned message into send blocks and hands them to the sending thread.
@@ -726,10 +779,11 @@ fn filling_loop(
         if msg.downgraded {
             crate::warn_limited!(
                 "message-over-send-blocks",
-                "device {}: a {}-byte frame needs {} send blocks, but the sender has {}: it is not kept for resending after a receiver crash (raise send_blocks or block_size)",
+                "device {}: a {}-byte frame needs {} send blocks, but the sender fills {} (of {}; the others are in-place blocks): it is not kept for resending after a receiver crash (raise send_blocks or block_size, or set fewer in-place blocks: in_place_blocks, rdmasink in-place-blocks)",
                 msg.device,
                 payload.len(),
                 msg.headers.len(),
+                free_lists.first_in_place,
                 blocks.count()
             );
         }
@@ -875,7 +929,7 @@ fn filling_loop(
                     // Held small messages go first: a reserved frame never shares its block.
                     let held = coalescer.flush();
                     held.is_none_or(|b| write_batch(&blocks, &take_free, &filled, b, lost))
-                        && seal_reserved(&blocks, &filled, &free_tx, plan.frame, &c, placement)
+                        && seal_reserved(&blocks, &filled, &free_lists, plan.frame, &c, placement)
                 }
             }
             Msg::End => {
@@ -906,7 +960,7 @@ fn filling_loop(
 fn seal_reserved(
     blocks: &SendBlocks,
     filled: &Sender<ToSending>,
-    free: &Sender<usize>,
+    free: &FreeLists,
     msg: Option<Message>,
     c: &Committed,
     placement: Placement,
@@ -918,7 +972,7 @@ fn seal_reserved(
             len = c.len,
             "a reserved frame planned as more than one block; dropped"
         );
-        let _ = free.send(c.block);
+        free.release(c.block);
         return true;
     };
     // Sealed by transport, as `fill` seals (docs/protocol.md, "Seal by transport").
@@ -988,7 +1042,7 @@ struct Sending {
     meta: Vec<Option<Filled>>,
     /// Frames of the coalesced (or held and then sent alone) message in each send block.
     coalesced: Vec<Vec<(u8, usize, u64)>>,
-    free: Sender<usize>,
+    free: FreeLists,
     counters: Arc<Registry<u8>>,
 }
 
@@ -1031,7 +1085,7 @@ impl Sending {
             let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
             self.counters.device(&device).frame(bytes, Some(latency));
         }
-        let _ = self.free.send(i);
+        self.free.release(i);
     }
 }
 
