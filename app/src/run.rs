@@ -113,11 +113,13 @@ fn frame_blocks(kind: &Source, block_size: usize) -> Option<usize> {
     )
 }
 
-/// The sender's in-place send blocks: `in_place_blocks` as configured, else half of
-/// `send_blocks` when a synthetic source's frames fit one block (those render in place), but
-/// never so many that a lossless device's frame no longer fits the filling thread's blocks with
-/// one to spare (the sender keeps a lossless message for resending only then), and none when a
-/// lossless device's frame size is not known up front. A configured value that costs a lossless
+/// The sender's in-place send blocks: `in_place_blocks` as configured, else all but two of
+/// `send_blocks` when a synthetic source's frames fit one block (those render in place; the
+/// filling thread borrows the in-place blocks that are free, and keeps two so that a lossless
+/// one-block message can be kept for resending), but never so many that a lossless device's
+/// frame no longer fits the filling thread's blocks with one to spare (the sender keeps a
+/// lossless message for resending only then), and none when a lossless device's frame size is
+/// not known up front. A configured value that costs a lossless
 /// device its resending is warned about, naming the device.
 fn in_place_blocks(cfg: &SenderConfig, devices: &[Device]) -> usize {
     let lossless: Vec<(u8, Option<usize>)> = devices
@@ -149,7 +151,7 @@ fn in_place_blocks(cfg: &SenderConfig, devices: &[Device]) -> usize {
     if !renders {
         return 0;
     }
-    let mut n = cfg.send_blocks / 2;
+    let mut n = cfg.send_blocks.saturating_sub(2);
     for (_, blocks) in lossless {
         let Some(b) = blocks else { return 0 };
         n = n.min(cfg.send_blocks.saturating_sub(b + 1));
@@ -573,9 +575,10 @@ mod tests {
                 "[[device]]\nid = 9\nsource = \"radar-synthetic\"\nsize = {size}\npolicy = \"block\"\n"
             )
         };
-        // Cameras render in place: half of the send blocks.
-        assert_eq!(blocks_for(camera), 4);
-        assert_eq!(blocks_for(&format!("send_blocks = 5\n{camera}")), 2);
+        // Cameras render in place: all send blocks but two.
+        assert_eq!(blocks_for(camera), 6);
+        assert_eq!(blocks_for(&format!("send_blocks = 5\n{camera}")), 3);
+        assert_eq!(blocks_for(&format!("send_blocks = 2\n{camera}")), 0);
         // A lossless 3-block radar leaves the filling thread 4 of 8 blocks (3 + 1 to spare).
         let radar = lossless_radar(3_000_000);
         assert_eq!(blocks_for(&format!("{camera}{radar}")), 4);

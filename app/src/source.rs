@@ -158,7 +158,8 @@ pub enum SourceKind {
 }
 
 /// A frame producer: called with the frame index, returns the frame's contents. Synthetic
-/// frames are rendered in place by the sender's filling thread ([`FrameData::Render`]); decoded
+/// frames are rendered in place ([`FrameData::Render`]): by the sender binary's source threads
+/// into in-place send blocks, or by the filling thread when none is free; decoded
 /// images are shared buffers, copied once into the send blocks. No source builds a buffer per
 /// frame.
 pub struct Producer {
