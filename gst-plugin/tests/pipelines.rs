@@ -392,6 +392,61 @@ fn two_sinks_share_one_connection_into_one_process_with_two_sources() {
     assert_eq!(log.matches("sender connected").count(), 1, "{log}");
 }
 
+/// A sink whose upstream writes frames in place, through a queue that keeps as many pool
+/// buffers as it can get, shares one connection with a sink sending lossless frames of four
+/// blocks. The pool draws only on the connection's in-place blocks, so neither sink holds up the
+/// other (with one free list, the queued pool buffers could take every block but one, and a
+/// four-block frame then waited for ever), and both streams arrive byte-exact.
+#[test]
+fn an_in_place_sink_and_a_multi_block_sink_share_one_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    // 230400-byte frames fit one 256 KiB block; 921600-byte ones take four.
+    let small = "video/x-raw,format=RGB,width=320,height=240,framerate=25/1";
+    let one = format!("videotestsrc num-buffers=60 pattern=ball ! {small}");
+    let two = format!("videotestsrc num-buffers=30 pattern=smpte ! {RGB_VGA}");
+    run(
+        d,
+        "reference-1",
+        &format!("{one} ! filesink location=ref1.raw"),
+    );
+    run(
+        d,
+        "reference-2",
+        &format!("{two} ! filesink location=ref2.raw"),
+    );
+    let rx = Launch::start(
+        d,
+        "receiver",
+        &format!(
+            "rdmasrc port={port} device-id=1 ! filesink location=out1.raw \
+             rdmasrc port={port} device-id=2 ! filesink location=out2.raw"
+        ),
+    );
+    let link = format!("port={port} block-size=262144 blocks=8 in-place-blocks=3 sync=false");
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!(
+            "{one} ! queue max-size-buffers=0 max-size-bytes=0 max-size-time=0 ! \
+             rdmasink device-id=1 {link} \
+             {two} ! rdmasink device-id=2 {link}"
+        ),
+    );
+    let log = tx.success();
+    rx.success();
+    assert!(
+        read(d.join("ref1.raw")) == read(d.join("out1.raw")),
+        "device 1"
+    );
+    assert!(
+        read(d.join("ref2.raw")) == read(d.join("out2.raw")),
+        "device 2"
+    );
+    assert!(log.contains("frames sent in place"), "log:\n{log}");
+}
+
 #[test]
 fn a_receiver_restarted_mid_stream_gets_the_rest_of_the_stream() {
     let dir = tempfile::tempdir().unwrap();
