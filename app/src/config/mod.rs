@@ -215,6 +215,35 @@ mod shipped_tests {
         assert_eq!(e.key, "blocks", "{e}");
     }
 
+    /// `in_place_blocks` must leave the filling thread a block, and `poll_spin_us` is bounded;
+    /// both errors name the key.
+    #[test]
+    fn in_place_blocks_and_poll_spin_are_bounded() {
+        let file = Path::new("s.toml");
+        let sender = |extra: &str| {
+            let text = format!(
+                "name = \"a\"\nreceiver = \"127.0.0.1:1\"\nsend_blocks = 4\n{extra}\n\
+                 [[device]]\nid = 0\nsource = \"radar-synthetic\"\n"
+            );
+            SenderConfig::parse(&text, file).unwrap().validate(file)
+        };
+        assert!(sender("in_place_blocks = 3").is_ok());
+        assert!(sender("in_place_blocks = 0").is_ok());
+        let Err(e) = sender("in_place_blocks = 4") else {
+            panic!("in_place_blocks = send_blocks accepted")
+        };
+        assert!(
+            e.key == "in_place_blocks" && e.reason.contains("at most 3"),
+            "{e}"
+        );
+        let receiver = |text: &str| ReceiverConfig::parse(text, file).unwrap().validate(file);
+        assert!(receiver("poll_spin_us = 100000").is_ok());
+        let Err(e) = receiver("poll_spin_us = 100001") else {
+            panic!("a spin of more than 0.1 s accepted")
+        };
+        assert_eq!(e.key, "poll_spin_us", "{e}");
+    }
+
     /// The shipped configs document the defaults: every key they set has the value the code
     /// uses when the key is left out (their device lists are examples, not defaults).
     #[test]
