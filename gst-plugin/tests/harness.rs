@@ -1115,3 +1115,53 @@ fn in_place_blocks_zero_offers_no_pool_and_too_many_fail_the_start() {
     assert!(text.contains("blocks=8"), "{text}");
     e.set_state(gst::State::Null).unwrap();
 }
+
+/// A pool buffer that something else still holds when it is rendered (as a `tee`'s other
+/// branch would) is copied, not committed when that holder lets go: so the next frame cannot
+/// overtake it, and its block comes back unsent.
+#[test]
+fn a_pool_buffer_held_elsewhere_is_copied_and_keeps_its_place() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 10, &[]);
+    let mut tx = sink(port, 10, GRAY, &[]);
+    let caps: gst::Caps = GRAY.parse().unwrap();
+    let mut q = gst::query::Allocation::new(Some(&caps), true);
+    assert!(tx.srcpad().unwrap().peer_query(&mut q));
+    let pool = q
+        .allocation_pools()
+        .into_iter()
+        .find_map(|(p, _, _, _)| p)
+        .expect("rdmasink proposes its pool");
+    let mut config = pool.config();
+    config.set_params(Some(&caps), 8, 0, 0);
+    pool.set_config(config).unwrap();
+    pool.set_active(true).unwrap();
+    let frame = |i: u8| {
+        let mut b = pool.acquire_buffer(None).unwrap();
+        {
+            let b = b.get_mut().unwrap();
+            b.map_writable().unwrap().copy_from_slice(&[i; 8]);
+            b.set_pts(gst::ClockTime::from_mseconds(100 * i as u64));
+            b.set_duration(gst::ClockTime::from_mseconds(100));
+        }
+        b
+    };
+    let first = frame(1);
+    let held = first.clone();
+    tx.push(first).unwrap();
+    tx.push(frame(2)).unwrap();
+    assert_eq!(
+        bytes(&rx.pull().unwrap()),
+        vec![1; 8],
+        "the held frame first"
+    );
+    assert_eq!(bytes(&rx.pull().unwrap()), vec![2; 8]);
+    drop(held);
+    let st = stats(&tx.element().unwrap());
+    assert_eq!(st.get::<u64>("frames-copied").unwrap(), 1);
+    assert_eq!(st.get::<u64>("frames-in-place").unwrap(), 1);
+    pool.set_active(false).unwrap();
+    assert!(tx.push_event(gst::event::Eos::new()));
+    caps_until_eos(&mut rx);
+}

@@ -365,7 +365,9 @@ impl RdmaSink {
 
     /// Sends `buffer` in place when it is one of our pool's send blocks: marks it to be
     /// committed with its frame's metadata once it is let go (right after `render`). False for
-    /// any other buffer, which the caller copies.
+    /// any other buffer, which the caller copies, and for a pool buffer something else still
+    /// holds (a `tee`'s other branch, a `videorate` about to push it again): its commit would
+    /// wait for that holder, and a later frame would overtake it.
     fn render_in_place(
         &self,
         buffer: &gst::Buffer,
@@ -381,7 +383,8 @@ impl RdmaSink {
         let (Some(pool), Some(caps)) = (&s.pool, &s.caps) else {
             return Ok(false);
         };
-        if buffer.n_memory() != 1 {
+        // Only this sink holds the buffer and its memory: let go right after render.
+        if buffer.n_memory() != 1 || !buffer.is_writable() || !buffer.is_all_memory_writable() {
             return Ok(false);
         }
         let Ok(map) = buffer.map_readable() else {
