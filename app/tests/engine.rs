@@ -1873,3 +1873,71 @@ fn without_in_place_blocks_frames_are_rendered_by_the_filling_thread() {
         "rendered by the filling thread: {threads:?}"
     );
 }
+
+/// A drop-oldest device whose queue is full drops a committed reservation like any frame: it
+/// is counted as dropped, never sent, and its in-place block comes back (once everything else is
+/// delivered the device reserves it again).
+#[test]
+fn a_dropped_committed_frame_gives_its_in_place_block_back() {
+    use rdmastream::engine::SourceFrame;
+    let fabric = MemFabric::new();
+    let opts = SenderOptions {
+        name: "drop-committed".into(),
+        key: Some(key()),
+        send_blocks: 2,
+        in_place_blocks: 1,
+        block_size: 4096,
+        reconnect_min: Duration::from_millis(20),
+        reconnect_max: Duration::from_millis(50),
+        ..Default::default()
+    };
+    // No receiver yet: nothing is sent, so the filling thread soon waits for a block.
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 2).unwrap();
+    let pushing = s.add_device(2, DropPolicy::DropOldest);
+    let reserving = s.add_device(1, DropPolicy::DropOldest);
+    let frame = |index: u64, byte: u8| SourceFrame {
+        index,
+        timestamp_ns: 1,
+        duration_ns: 0,
+        pts_ns: None,
+        format: "application/octet-stream".into(),
+        data: vec![byte; 100].into(),
+    };
+    let mut r = reserving.reserve(100, Duration::from_secs(5)).unwrap();
+    r.payload_mut().fill(0xAA);
+    // The filling thread takes its one block for device 2's format and then waits for a block
+    // for its first frame (the other is reserved), so what comes next stays queued...
+    assert!(pushing.push(frame(0, 1)));
+    assert!(pushing.push(frame(1, 2)));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(r.commit(meta(0)));
+    assert!(reserving.push(frame(1, 3)));
+    // ...and this frame pushes the committed one out of the two-deep queue.
+    assert!(reserving.push(frame(2, 4)));
+    let counters = s.counters().device(&1);
+    assert!(wait_until(Duration::from_secs(5), || get(&counters.drops) == 1));
+    let listener = fabric.listen("rx", settings(4, 4096, vec![]));
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let delivered = wait_until(Duration::from_secs(10), || {
+        sink.0.lock().unwrap().len() == 4
+    });
+    let mut got: Vec<u8> = sink.0.lock().unwrap().iter().map(|(_, d)| d[0]).collect();
+    got.sort();
+    assert!(delivered, "{got:?}");
+    assert_eq!(
+        got,
+        vec![1, 2, 3, 4],
+        "the dropped frame (0xAA) is not sent"
+    );
+    // Every block is back: the in-place one can be reserved again.
+    let again = reserving.reserve(100, Duration::from_secs(5));
+    assert!(again.is_ok(), "{:?}", again.err());
+    drop(again);
+    reserving.end();
+    pushing.end();
+    s.finish(Duration::from_secs(10)).unwrap();
+    receiver.stop();
+}
