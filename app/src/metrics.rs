@@ -144,6 +144,14 @@ impl Collector for MonitorCollector {
                 |c| get(&c.gaps),
             ),
         ];
+        if role == Role::Sender {
+            counters.push((
+                "rdmastream_in_place_frames",
+                "Frames a source wrote straight into an in-place send block (not copied or rendered by the filling thread)",
+                None,
+                |c| get(&c.in_place),
+            ));
+        }
         if role == Role::Receiver {
             counters.extend_from_slice(&[
                 (
@@ -605,9 +613,29 @@ mod tests {
         let mut e = SenderEngine::default();
         e.machine.syncs = 12;
         e.machine.retained_skipped = 3;
-        m.tick(vec![], Engine::Sender(e), Duration::from_secs(1));
+        let c = Arc::new(DeviceCounters::default());
+        c.in_place.store(4, std::sync::atomic::Ordering::Relaxed);
+        m.tick(
+            vec![(
+                StreamKey {
+                    sender: "edge-1".into(),
+                    device: 3,
+                },
+                c,
+            )],
+            Engine::Sender(e),
+            Duration::from_secs(1),
+        );
         let s = scrape(&render(&m));
         assert_eq!(value(&s, "rdmastream_syncs_total", &[]), Some(12.0));
+        assert_eq!(
+            value(
+                &s,
+                "rdmastream_in_place_frames_total",
+                &[("sender", "edge-1"), ("device", "3")]
+            ),
+            Some(4.0)
+        );
         assert_eq!(
             value(&s, "rdmastream_retained_skipped_total", &[]),
             Some(3.0)

@@ -357,9 +357,10 @@ pub fn sender(
     let all = counters.all();
     let total: u64 = all.iter().map(|(_, c)| get(&c.frames)).sum();
     let drops: u64 = all.iter().map(|(_, c)| get(&c.drops)).sum();
+    let in_place: u64 = all.iter().map(|(_, c)| get(&c.in_place)).sum();
     observer.log_table();
     tracing::info!(
-        "done after {:.1}s: {total} frames written, {drops} dropped, {} write chains, {} syncs ({} found nothing free, retained-skipped {}), {} connections, {} blocks unsent",
+        "done after {:.1}s: {total} frames written ({in_place} rendered in place by their sources), {drops} dropped, {} write chains, {} syncs ({} found nothing free, retained-skipped {}), {} connections, {} blocks unsent",
         started.elapsed().as_secs_f64(),
         report.machine.writes,
         report.machine.syncs,

@@ -1696,6 +1696,8 @@ fn frames_rendered_on_the_sources_thread_arrive_bit_exact_in_order() {
     };
     source.join().unwrap();
     drop(input);
+    // The three one-block rendered frames went in place, counted as such.
+    assert_eq!(get(&s.counters().device(&2).in_place), 3);
     s.finish(Duration::from_secs(20)).unwrap();
     assert!(wait_until(Duration::from_secs(20), || {
         receiver.all_senders_ended()
@@ -1860,6 +1862,7 @@ fn without_in_place_blocks_frames_are_rendered_by_the_filling_thread() {
     };
     source.join().unwrap();
     drop(input);
+    assert_eq!(get(&s.counters().device(&1).in_place), 0);
     s.finish(Duration::from_secs(20)).unwrap();
     assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
     receiver.stop();

@@ -113,6 +113,9 @@ pub struct DeviceCounters {
     pub bytes: AtomicU64,
     /// Frames dropped (sender: drop-oldest policy).
     pub drops: AtomicU64,
+    /// Sender: frames a source wrote straight into an in-place send block and committed
+    /// (`DeviceInput::reserve`), rather than handing them to the filling thread.
+    pub in_place: AtomicU64,
     /// Packets given up on (receiver: gaps in packet numbers).
     pub gaps: AtomicU64,
     /// Frames checked against the synthetic reference and found equal / different.

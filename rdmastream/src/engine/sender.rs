@@ -198,7 +198,12 @@ impl Reservation {
         if self.input.stopped.load(Ordering::Acquire) {
             return false; // nothing will be taken any more
         }
-        self.input.send(Msg::Reserved(committed))
+        let counters = self.input.counters.clone();
+        let sent = self.input.send(Msg::Reserved(committed));
+        if sent {
+            counters.in_place.fetch_add(1, Ordering::Relaxed);
+        }
+        sent
     }
 }
 
