@@ -569,7 +569,7 @@ mod tests {
     }
 
     #[test]
-    fn in_place_blocks_default_to_half_but_leave_lossless_frames_their_blocks() {
+    fn in_place_blocks_default_to_all_but_two_but_leave_lossless_frames_their_blocks() {
         let camera = "[[device]]\nid = 1\nsource = \"camera-synthetic\"\n";
         let lossless_radar = |size: usize| {
             format!(
