@@ -6,9 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use rdmastream::engine::{
-    DropPolicy, FrameSink, ReceiverHandle, SenderHandle, SenderOptions, StreamKey,
-};
+use rdmastream::engine::{FrameSink, ReceiverHandle, SenderHandle, SenderOptions, StreamKey};
 use rdmastream::proto::Budget;
 use rdmastream::proto::handshake::Key;
 use rdmastream::stats::get;
@@ -97,66 +95,21 @@ enum Runner {
     Gstreamer(crate::gst::LaunchSource),
 }
 
-/// Send blocks of one frame of a built-in source (`None`: not known before it streams).
-fn frame_blocks(kind: &Source, block_size: usize) -> Option<usize> {
-    let len = match kind {
-        Source::Builtin(SourceKind::CameraSynthetic { width, height, .. })
-        | Source::Builtin(SourceKind::Images { width, height, .. }) => {
-            *width as usize * *height as usize * 3
-        }
-        Source::Builtin(SourceKind::RadarSynthetic { size, .. }) => *size,
-        Source::Gstreamer(_) => return None,
-    };
-    Some(
-        len.div_ceil(rdmastream::proto::payload_capacity(block_size))
-            .max(1),
-    )
-}
-
-/// The sender's in-place send blocks: `in_place_blocks` as configured, else all but two of
-/// `send_blocks` when a synthetic source's frames fit one block (those render in place; the
-/// filling thread borrows the in-place blocks that are free, and keeps two so that a lossless
-/// one-block message can be kept for resending), but never so many that a lossless device's
-/// frame no longer fits the filling thread's blocks with one to spare (the sender keeps a
-/// lossless message for resending only then), and none when a lossless device's frame size is
-/// not known up front. A configured value that costs a lossless
-/// device its resending is warned about, naming the device.
+/// The in-place send blocks the sender adds to its `send_blocks` (which stay the filling
+/// thread's): `in_place_blocks` as configured, else as many as `send_blocks` when a synthetic
+/// source's frames fit one block (those render in place, on their own threads), else none.
 fn in_place_blocks(cfg: &SenderConfig, devices: &[Device]) -> usize {
-    let lossless: Vec<(u8, Option<usize>)> = devices
-        .iter()
-        .filter(|d| d.policy == DropPolicy::Block)
-        .map(|d| (d.id, frame_blocks(&d.kind, cfg.block_size)))
-        .collect();
-    if let Some(n) = cfg.in_place_blocks {
-        let filling = cfg.send_blocks - n;
-        for (id, blocks) in &lossless {
-            if let Some(b) = blocks
-                && *b >= filling
-            {
-                tracing::warn!(
-                    device = id,
-                    "in_place_blocks = {n} leaves the filling thread {filling} of {} send blocks: this lossless device's frames need {b}, so they are not kept for resending after a receiver crash",
-                    cfg.send_blocks
-                );
+    cfg.in_place_blocks.unwrap_or_else(|| {
+        let capacity = rdmastream::proto::payload_capacity(cfg.block_size);
+        let renders = devices.iter().any(|d| match &d.kind {
+            Source::Builtin(SourceKind::CameraSynthetic { width, height, .. }) => {
+                *width as usize * *height as usize * 3 <= capacity
             }
-        }
-        return n;
-    }
-    let renders = devices.iter().any(|d| {
-        matches!(
-            d.kind,
-            Source::Builtin(SourceKind::CameraSynthetic { .. } | SourceKind::RadarSynthetic { .. })
-        ) && frame_blocks(&d.kind, cfg.block_size) == Some(1)
-    });
-    if !renders {
-        return 0;
-    }
-    let mut n = cfg.send_blocks.saturating_sub(2);
-    for (_, blocks) in lossless {
-        let Some(b) = blocks else { return 0 };
-        n = n.min(cfg.send_blocks.saturating_sub(b + 1));
-    }
-    n
+            Source::Builtin(SourceKind::RadarSynthetic { size, .. }) => *size <= capacity,
+            _ => false,
+        });
+        if renders { cfg.send_blocks } else { 0 }
+    })
 }
 
 /// Runs a sender: builds every device's source (a source that cannot be built is a
@@ -202,12 +155,12 @@ pub fn sender(
     });
     let connector = watched(connector, link.clone());
     // Synthetic sources render their frames on their own threads into in-place blocks
-    // (`DeviceInput::push_rendering_here`); the filling thread keeps the other blocks.
+    // (`DeviceInput::push_rendering_here`), added to the filling thread's `send_blocks`.
     let in_place_blocks = in_place_blocks(cfg, devices);
     let opts = SenderOptions {
         name: cfg.name.clone(),
         key,
-        send_blocks: cfg.send_blocks,
+        send_blocks: cfg.send_blocks + in_place_blocks,
         in_place_blocks,
         block_size: cfg.block_size,
         max_outstanding: cfg.max_outstanding,
@@ -223,7 +176,7 @@ pub fn sender(
         ..Default::default()
     };
     tracing::info!(
-        "sender '{}' -> {} ({}, {} mechanism): {} devices, {} send blocks of {} bytes ({} for frames rendered in place)",
+        "sender '{}' -> {} ({}, {} mechanism): {} devices, {} send blocks of {} bytes (+ {} for frames rendered in place)",
         cfg.name,
         cfg.receiver,
         cfg.transport,
@@ -569,30 +522,30 @@ mod tests {
     }
 
     #[test]
-    fn in_place_blocks_default_to_all_but_two_but_leave_lossless_frames_their_blocks() {
+    fn in_place_blocks_default_to_send_blocks_when_a_synthetic_source_renders() {
         let camera = "[[device]]\nid = 1\nsource = \"camera-synthetic\"\n";
-        let lossless_radar = |size: usize| {
+        let radar = |size: usize| {
             format!(
                 "[[device]]\nid = 9\nsource = \"radar-synthetic\"\nsize = {size}\npolicy = \"block\"\n"
             )
         };
-        // Cameras render in place: all send blocks but two.
-        assert_eq!(blocks_for(camera), 6);
-        assert_eq!(blocks_for(&format!("send_blocks = 5\n{camera}")), 3);
-        assert_eq!(blocks_for(&format!("send_blocks = 2\n{camera}")), 0);
-        // A lossless 3-block radar leaves the filling thread 4 of 8 blocks (3 + 1 to spare).
-        let radar = lossless_radar(3_000_000);
-        assert_eq!(blocks_for(&format!("{camera}{radar}")), 4);
-        assert_eq!(blocks_for(&format!("send_blocks = 6\n{camera}{radar}")), 2);
-        assert_eq!(blocks_for(&format!("send_blocks = 4\n{camera}{radar}")), 0);
-        // Nothing renders in place: none; configured: as configured.
-        let five = lossless_radar(5_000_000);
-        assert_eq!(blocks_for(&format!("{camera}{five}")), 2);
-        assert_eq!(blocks_for(&radar), 0);
+        // Cameras (and radars) whose frames fit one block render in place.
+        assert_eq!(blocks_for(camera), 8);
+        assert_eq!(blocks_for(&format!("send_blocks = 5\n{camera}")), 5);
+        assert_eq!(blocks_for(&radar(1000)), 8);
+        assert_eq!(blocks_for(&format!("{camera}{}", radar(3_000_000))), 8);
+        // Frames larger than a block, or images (shared buffers, copied): none.
+        assert_eq!(blocks_for(&radar(3_000_000)), 0);
+        assert_eq!(
+            blocks_for("block_size = 65536\n[[device]]\nid = 1\nsource = \"camera-synthetic\"\n"),
+            0
+        );
         assert_eq!(
             blocks_for("[[device]]\nid = 2\nsource = \"images\"\ndir = \".\"\n"),
             0
         );
-        assert_eq!(blocks_for(&format!("in_place_blocks = 7\n{camera}")), 7);
+        // Configured: as configured, 0 included.
+        assert_eq!(blocks_for(&format!("in_place_blocks = 3\n{camera}")), 3);
+        assert_eq!(blocks_for(&format!("in_place_blocks = 0\n{camera}")), 0);
     }
 }

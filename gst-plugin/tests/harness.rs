@@ -1073,10 +1073,9 @@ fn buffers_of_the_proposed_pool_are_sent_in_place_and_others_copied() {
     caps_until_eos(&mut rx);
 }
 
-/// `in-place-blocks=0` turns the pool off (every frame is copied, and arrives), and a value
-/// that leaves no block for copied frames, caps and EOS fails the start naming the property.
+/// `in-place-blocks=0` turns the pool off: every frame is copied, and arrives.
 #[test]
-fn in_place_blocks_zero_offers_no_pool_and_too_many_fail_the_start() {
+fn in_place_blocks_zero_offers_no_pool() {
     init();
     let port = free_port();
     let mut rx = src(port, 8, &[]);
@@ -1096,24 +1095,6 @@ fn in_place_blocks_zero_offers_no_pool_and_too_many_fail_the_start() {
     assert_eq!(st.get::<u64>("frames-copied").unwrap(), 1);
     assert!(tx.push_event(gst::event::Eos::new()));
     caps_until_eos(&mut rx);
-
-    let e = sink_element(
-        free_port(),
-        9,
-        &[
-            ("blocks", 8u32.to_value()),
-            ("in-place-blocks", 8i32.to_value()),
-        ],
-    );
-    let bus = bus_of(&e);
-    assert!(e.set_state(gst::State::Paused).is_err());
-    let msg = bus
-        .pop_filtered(&[gst::MessageType::Error])
-        .expect("an error message");
-    let text = error_text(&msg);
-    assert!(text.contains("in-place-blocks=8"), "{text}");
-    assert!(text.contains("blocks=8"), "{text}");
-    e.set_state(gst::State::Null).unwrap();
 }
 
 /// A pool buffer that something else still holds when it is rendered (as a `tee`'s other

@@ -25,8 +25,8 @@ pub struct SenderConfig {
     pub key_file: Option<PathBuf>,
     #[serde(default = "d_send_blocks")]
     pub send_blocks: usize,
-    /// Send blocks set aside for frames the built-in sources render in place; `None`: half of
-    /// `send_blocks` when a device has a built-in source, else 0.
+    /// Send blocks for frames the synthetic sources render in place, on top of `send_blocks`;
+    /// `None`: as many as `send_blocks` when a synthetic source's frames fit one block, else 0.
     #[serde(default)]
     pub in_place_blocks: Option<usize>,
     #[serde(default = "d_block_size")]
@@ -169,16 +169,9 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
         ));
     }
     if let Some(n) = cfg.in_place_blocks
-        && n >= cfg.send_blocks
+        && n > 4096
     {
-        return Err(err(
-            "in_place_blocks",
-            format!(
-                "{n} leaves none of the {} send blocks for the filling thread (at most {})",
-                cfg.send_blocks,
-                cfg.send_blocks - 1
-            ),
-        ));
+        return Err(err("in_place_blocks", format!("{n} is not in 0..=4096")));
     }
     if cfg.block_size <= rdmastream::proto::OVERHEAD || cfg.block_size > 1 << 30 {
         return Err(err(

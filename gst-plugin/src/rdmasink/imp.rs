@@ -32,7 +32,7 @@ const DEFAULT_PORT: u32 = 7471;
 const DEFAULT_TRANSPORT: Transport = Transport::Auto;
 const DEFAULT_DEVICE_ID: u32 = 0;
 const DEFAULT_BLOCKS: u32 = 8;
-/// `in-place-blocks`: -1, half of `blocks`.
+/// `in-place-blocks`: -1, half of `blocks` (added to them).
 const DEFAULT_IN_PLACE_BLOCKS: i32 = -1;
 const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
 const DEFAULT_IB_PORT: u32 = 1;
@@ -510,9 +510,9 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecInt::builder("in-place-blocks")
                     .nick("In-place send blocks")
-                    .blurb("Send blocks of the connection set aside for the buffer pool upstream writes frames into (the others carry copied frames, caps and EOS; the filling thread never takes one of these, so a frame waiting in place never holds up a copied one); -1: half of `blocks`; 0: no pool, every frame is copied. Set by the first sink of a shared connection")
+                    .blurb("Send blocks for the buffer pool upstream writes frames into, added to `blocks` (which carry copied frames, caps and EOS): a frame waiting in place never holds up a copied one; -1: half of `blocks`; 0: no pool, every frame is copied. Set by the first sink of a shared connection")
                     .minimum(-1)
-                    .maximum(4095)
+                    .maximum(4096)
                     .default_value(DEFAULT_IN_PLACE_BLOCKS)
                     .mutable_ready()
                     .build(),
@@ -744,16 +744,6 @@ impl BaseSinkImpl for RdmaSink {
             -1 => settings.blocks / 2,
             n => n as u32,
         };
-        if in_place_blocks >= settings.blocks {
-            return Err(gst::error_msg!(
-                gst::ResourceError::Settings,
-                (
-                    "in-place-blocks={in_place_blocks} leaves none of blocks={} for copied frames, caps and EOS (at most {})",
-                    settings.blocks,
-                    settings.blocks - 1
-                )
-            ));
-        }
         let lease = DeviceLease::acquire(LeaseRequest {
             key: SenderKey {
                 transport: settings.transport,
@@ -763,7 +753,7 @@ impl BaseSinkImpl for RdmaSink {
             opts: SenderOptions {
                 name: String::new(),
                 key,
-                send_blocks: settings.blocks as usize,
+                send_blocks: (settings.blocks + in_place_blocks) as usize,
                 block_size: settings.block_size as usize,
                 in_place_blocks: in_place_blocks as usize,
                 ..Default::default()

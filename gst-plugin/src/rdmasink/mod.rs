@@ -11,15 +11,16 @@
 //!
 //! With `drop-policy=block` (default) the element answers upstream's allocation query with a
 //! buffer pool whose buffers are send blocks, reserved from the `in-place-blocks` the core
-//! sender sets aside for them (default half of `blocks`; 0 turns the pool off): upstream writes
+//! sender adds to `blocks` for them (default half as many; 0 turns the pool off): upstream writes
 //! each frame straight into memory the transport sends from, and `render` marks the buffer so
 //! its block is committed (header and seal written around the payload in place) as soon as
 //! the buffer is let go, right after `render`; a pooled buffer never rendered gives its block
 //! back. A pooled buffer that something else still holds when it is rendered (a `tee`'s other
 //! branch, a `videorate` pushing it twice) is copied instead, so a later frame never overtakes
-//! it. Acquiring a buffer waits for an in-place block to come free. The other send blocks
-//! are the filling thread's own (copied frames, caps, EOS): a committed frame waiting in a
-//! queue never holds a block the filling thread needs to get to it. A frame that does not fit
+//! it. Acquiring a buffer waits for an in-place block to come free. The `blocks` are the
+//! filling thread's own (copied frames, caps, EOS): a committed frame waiting in a queue never
+//! holds a block the filling thread needs to get to it, and a lossless frame of several blocks
+//! is kept for resending as long as it needs fewer than `blocks`. A frame that does not fit
 //! one block (`block-size` minus 60 bytes of header and trailer) gets an ordinary buffer; any
 //! buffer not from the pool is copied by the filling thread as before. The `stats` structure counts
 //! `frames-in-place` and `frames-copied`, and the element logs (info) which path the frames take

@@ -784,7 +784,7 @@ fn filling_loop(
         if msg.downgraded {
             crate::warn_limited!(
                 "message-over-send-blocks",
-                "device {}: a {}-byte frame needs {} send blocks, but the sender fills {} (of {}; the others are in-place blocks): it is not kept for resending after a receiver crash (raise send_blocks or block_size, or set fewer in-place blocks: in_place_blocks, rdmasink in-place-blocks)",
+                "device {}: a {}-byte frame needs {} send blocks, but the sender fills {} (of {}; the others are in-place blocks): it is not kept for resending after a receiver crash (raise send_blocks or block_size)",
                 msg.device,
                 payload.len(),
                 msg.headers.len(),
