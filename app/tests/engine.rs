@@ -1030,10 +1030,7 @@ fn frames_written_in_place_and_copied_arrive_bit_exact_including_fragmented_ones
     let cap = rdmastream::proto::payload_capacity(BLOCK);
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(4, BLOCK, vec![]));
-    let sink = Arc::new(Hoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
-            .unwrap();
+    let (sink, receiver) = hoarding(Box::new(listener));
     let opts = SenderOptions {
         name: "in-place".into(),
         key: Some(key()),
@@ -1469,6 +1466,29 @@ fn reserved_frames_arrive_bit_exact_in_order_with_pushed_ones_over_tcp() {
 #[derive(Default)]
 struct Hoard(std::sync::Mutex<Vec<(u64, rdmastream::bytes::Bytes)>>);
 
+/// A receiver on `listener` that hands every frame to a [`Hoard`].
+fn hoarding(listener: Box<dyn Listener>) -> (Arc<Hoard>, ReceiverHandle) {
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone()).unwrap();
+    (sink, receiver)
+}
+
+/// Frame `index` of `data`, pushed as opaque bytes (no PTS).
+fn octets(
+    index: u64,
+    data: impl Into<rdmastream::engine::FrameData>,
+) -> rdmastream::engine::SourceFrame {
+    rdmastream::engine::SourceFrame {
+        index,
+        timestamp_ns: 1,
+        duration_ns: 0,
+        pts_ns: None,
+        format: "application/octet-stream".into(),
+        data: data.into(),
+    }
+}
+
 impl rdmastream::engine::FrameSink for Hoard {
     fn handle(
         &self,
@@ -1500,9 +1520,7 @@ fn run_reserved(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
     const BLOCKS: usize = 4;
     const IN_PLACE: usize = 2;
     let cap = rdmastream::proto::payload_capacity(BLOCK);
-    let sink = Arc::new(Hoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone()).unwrap();
+    let (sink, receiver) = hoarding(listener);
     let opts = SenderOptions {
         name: "reserved".into(),
         key: Some(key()),
@@ -1530,14 +1548,7 @@ fn run_reserved(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
     // Meanwhile pushed frames still go, in the filling thread's own blocks (one of them
     // fragmented over both).
     let pushed = Rendered::bytes(9, cap + 10);
-    assert!(other.push(SourceFrame {
-        index: 0,
-        timestamp_ns: 1,
-        duration_ns: 0,
-        pts_ns: None,
-        format: "application/octet-stream".into(),
-        data: pushed.clone().into(),
-    }));
+    assert!(other.push(octets(0, pushed.clone())));
     assert!(wait_until(Duration::from_secs(10), || {
         sink.0
             .lock()
@@ -1595,10 +1606,7 @@ fn a_sender_finishes_with_a_reservation_outstanding() {
     use rdmastream::engine::NotReserved;
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(4, 4096, vec![]));
-    let sink = Arc::new(Hoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
-            .unwrap();
+    let (sink, receiver) = hoarding(Box::new(listener));
     let opts = SenderOptions {
         name: "outstanding".into(),
         key: Some(key()),
@@ -1637,10 +1645,7 @@ fn frames_rendered_on_the_sources_thread_arrive_bit_exact_in_order() {
     let cap = rdmastream::proto::payload_capacity(BLOCK);
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(4, BLOCK, vec![]));
-    let sink = Arc::new(Hoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
-            .unwrap();
+    let (sink, receiver) = hoarding(Box::new(listener));
     let opts = SenderOptions {
         name: "render-here".into(),
         key: Some(key()),
@@ -1744,15 +1749,12 @@ fn frames_rendered_on_the_sources_thread_arrive_bit_exact_in_order() {
 /// committed frames that would have freed blocks sat in a queue behind it.)
 #[test]
 fn reservations_never_starve_a_lossless_device_of_send_blocks() {
-    use rdmastream::engine::{NotReserved, SourceFrame};
+    use rdmastream::engine::NotReserved;
     const BLOCK: usize = 4096;
     let cap = rdmastream::proto::payload_capacity(BLOCK);
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(4, BLOCK, vec![]));
-    let sink = Arc::new(Hoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
-            .unwrap();
+    let (sink, receiver) = hoarding(Box::new(listener));
     let opts = SenderOptions {
         name: "starve".into(),
         key: Some(key()),
@@ -1777,14 +1779,7 @@ fn reservations_never_starve_a_lossless_device_of_send_blocks() {
     assert_eq!(held.len(), 3, "every in-place block, and no other");
     let big = |i: u64| Rendered::bytes(50 + i as u8, cap + 100);
     for i in 0..6 {
-        assert!(pushing.push(SourceFrame {
-            index: i,
-            timestamp_ns: 1,
-            duration_ns: 0,
-            pts_ns: None,
-            format: "application/octet-stream".into(),
-            data: big(i).into(),
-        }));
+        assert!(pushing.push(octets(i, big(i))));
     }
     pushing.end();
     assert!(
@@ -1817,13 +1812,10 @@ fn reservations_never_starve_a_lossless_device_of_send_blocks() {
 /// `push_rendering_here` then pushes: the filling thread renders the frame.
 #[test]
 fn without_in_place_blocks_frames_are_rendered_by_the_filling_thread() {
-    use rdmastream::engine::{FrameData, NotReserved, SourceFrame};
+    use rdmastream::engine::{FrameData, NotReserved};
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(4, 4096, vec![]));
-    let sink = Arc::new(Hoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
-            .unwrap();
+    let (sink, receiver) = hoarding(Box::new(listener));
     let opts = SenderOptions {
         name: "no-in-place".into(),
         key: Some(key()),
@@ -1848,14 +1840,7 @@ fn without_in_place_blocks_frames_are_rendered_by_the_filling_thread() {
         std::thread::Builder::new()
             .name("camera-1".into())
             .spawn(move || {
-                assert!(input.push_rendering_here(SourceFrame {
-                    index: 0,
-                    timestamp_ns: 1,
-                    duration_ns: 0,
-                    pts_ns: None,
-                    format: "x".into(),
-                    data: FrameData::Render(w),
-                }));
+                assert!(input.push_rendering_here(octets(0, FrameData::Render(w))));
                 input.end();
             })
             .unwrap()
@@ -1882,7 +1867,6 @@ fn without_in_place_blocks_frames_are_rendered_by_the_filling_thread() {
 /// delivered the device reserves it again).
 #[test]
 fn a_dropped_committed_frame_gives_its_in_place_block_back() {
-    use rdmastream::engine::SourceFrame;
     let fabric = MemFabric::new();
     let opts = SenderOptions {
         name: "drop-committed".into(),
@@ -1898,14 +1882,7 @@ fn a_dropped_committed_frame_gives_its_in_place_block_back() {
     let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 2).unwrap();
     let pushing = s.add_device(2, DropPolicy::DropOldest);
     let reserving = s.add_device(1, DropPolicy::DropOldest);
-    let frame = |index: u64, byte: u8| SourceFrame {
-        index,
-        timestamp_ns: 1,
-        duration_ns: 0,
-        pts_ns: None,
-        format: "application/octet-stream".into(),
-        data: vec![byte; 100].into(),
-    };
+    let frame = |index: u64, byte: u8| octets(index, vec![byte; 100]);
     let mut r = reserving.reserve(100, Duration::from_secs(5)).unwrap();
     r.payload_mut().fill(0xAA);
     // The filling thread takes its one block for device 2's format and then waits for a block
@@ -1920,10 +1897,7 @@ fn a_dropped_committed_frame_gives_its_in_place_block_back() {
     let counters = s.counters().device(&1);
     assert!(wait_until(Duration::from_secs(5), || get(&counters.drops) == 1));
     let listener = fabric.listen("rx", settings(4, 4096, vec![]));
-    let sink = Arc::new(Hoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
-            .unwrap();
+    let (sink, receiver) = hoarding(Box::new(listener));
     let delivered = wait_until(Duration::from_secs(10), || {
         sink.0.lock().unwrap().len() == 4
     });
