@@ -198,10 +198,9 @@ impl Reservation {
         if self.input.stopped.load(Ordering::Acquire) {
             return false; // nothing will be taken any more
         }
-        let counters = self.input.counters.clone();
         let sent = self.input.send(Msg::Reserved(committed));
         if sent {
-            counters.in_place.fetch_add(1, Ordering::Relaxed);
+            self.input.counters.in_place.fetch_add(1, Ordering::Relaxed);
         }
         sent
     }
