@@ -344,14 +344,19 @@ fn caps_change_mid_stream_and_downstream_renegotiates() {
     );
 }
 
-#[test]
-fn two_sinks_share_one_connection_into_one_process_with_two_sources() {
+/// Streams `one` as device 1 and `two` as device 2 from one sender process (each source
+/// followed by `! <its sink>`, where the sinks get `port=`), into one receiver process with an
+/// `rdmasrc` per device, and checks both byte-exact against the sources written to files.
+/// Returns the sender's and the receiver's logs.
+fn two_devices_arrive_byte_exact(
+    one: &str,
+    sink1: &str,
+    two: &str,
+    sink2: &str,
+) -> (String, String) {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let port = free_port();
-    let caps = "video/x-raw,format=RGB,width=320,height=240,framerate=25/1";
-    let one = format!("videotestsrc num-buffers=25 pattern=ball ! {caps}");
-    let two = format!("videotestsrc num-buffers=35 pattern=smpte horizontal-speed=3 ! {caps}");
     run(
         d,
         "reference-1",
@@ -373,13 +378,10 @@ fn two_sinks_share_one_connection_into_one_process_with_two_sources() {
     let tx = Launch::start(
         d,
         "sender",
-        &format!(
-            "{one} ! rdmasink port={port} device-id=1 sync=false \
-             {two} ! rdmasink port={port} device-id=2 sync=false"
-        ),
+        &format!("{one} ! {sink1} port={port} {two} ! {sink2} port={port}"),
     );
-    tx.success();
-    let log = rx.success();
+    let tx_log = tx.success();
+    let rx_log = rx.success();
     assert!(
         read(d.join("ref1.raw")) == read(d.join("out1.raw")),
         "device 1"
@@ -387,6 +389,18 @@ fn two_sinks_share_one_connection_into_one_process_with_two_sources() {
     assert!(
         read(d.join("ref2.raw")) == read(d.join("out2.raw")),
         "device 2"
+    );
+    (tx_log, rx_log)
+}
+
+#[test]
+fn two_sinks_share_one_connection_into_one_process_with_two_sources() {
+    let caps = "video/x-raw,format=RGB,width=320,height=240,framerate=25/1";
+    let (_, log) = two_devices_arrive_byte_exact(
+        &format!("videotestsrc num-buffers=25 pattern=ball ! {caps}"),
+        "rdmasink device-id=1 sync=false",
+        &format!("videotestsrc num-buffers=35 pattern=smpte horizontal-speed=3 ! {caps}"),
+        "rdmasink device-id=2 sync=false",
     );
     // One shared connection (one queue pair) carried both devices.
     assert_eq!(log.matches("sender connected").count(), 1, "{log}");
@@ -401,50 +415,16 @@ fn two_sinks_share_one_connection_into_one_process_with_two_sources() {
 /// app/tests/engine.rs.)
 #[test]
 fn an_in_place_sink_and_a_multi_block_sink_share_one_connection() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let port = free_port();
     // 230400-byte frames fit one 256 KiB block; 921600-byte ones take four.
     let small = "video/x-raw,format=RGB,width=320,height=240,framerate=25/1";
-    let one = format!("videotestsrc num-buffers=60 pattern=ball ! {small}");
-    let two = format!("videotestsrc num-buffers=30 pattern=smpte ! {RGB_VGA}");
-    run(
-        d,
-        "reference-1",
-        &format!("{one} ! filesink location=ref1.raw"),
-    );
-    run(
-        d,
-        "reference-2",
-        &format!("{two} ! filesink location=ref2.raw"),
-    );
-    let rx = Launch::start(
-        d,
-        "receiver",
+    let link = "block-size=262144 blocks=8 in-place-blocks=3 sync=false";
+    let (log, _) = two_devices_arrive_byte_exact(
+        &format!("videotestsrc num-buffers=60 pattern=ball ! {small}"),
         &format!(
-            "rdmasrc port={port} device-id=1 ! filesink location=out1.raw \
-             rdmasrc port={port} device-id=2 ! filesink location=out2.raw"
+            "queue max-size-buffers=0 max-size-bytes=0 max-size-time=0 ! rdmasink device-id=1 {link}"
         ),
-    );
-    let link = format!("port={port} block-size=262144 blocks=8 in-place-blocks=3 sync=false");
-    let tx = Launch::start(
-        d,
-        "sender",
-        &format!(
-            "{one} ! queue max-size-buffers=0 max-size-bytes=0 max-size-time=0 ! \
-             rdmasink device-id=1 {link} \
-             {two} ! rdmasink device-id=2 {link}"
-        ),
-    );
-    let log = tx.success();
-    rx.success();
-    assert!(
-        read(d.join("ref1.raw")) == read(d.join("out1.raw")),
-        "device 1"
-    );
-    assert!(
-        read(d.join("ref2.raw")) == read(d.join("out2.raw")),
-        "device 2"
+        &format!("videotestsrc num-buffers=30 pattern=smpte ! {RGB_VGA}"),
+        &format!("rdmasink device-id=2 {link}"),
     );
     assert!(log.contains("frames sent in place"), "log:\n{log}");
 }
