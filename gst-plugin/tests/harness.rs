@@ -1019,15 +1019,8 @@ fn elements_serve_their_stats_as_prometheus_metrics() {
     );
 }
 
-/// Upstream writes frames into the buffers of the pool `rdmasink` proposes (send blocks): they
-/// go in place, arrive bit-exact and in order, and are counted as such; a buffer from elsewhere
-/// between them is copied and counted as copied.
-#[test]
-fn buffers_of_the_proposed_pool_are_sent_in_place_and_others_copied() {
-    init();
-    let port = free_port();
-    let mut rx = src(port, 7, &[]);
-    let tx = sink(port, 7, GRAY, &[]);
+/// The pool `tx`'s rdmasink proposes for GRAY frames, configured and active.
+fn proposed_pool(tx: &Harness) -> gst::BufferPool {
     let caps: gst::Caps = GRAY.parse().unwrap();
     let mut q = gst::query::Allocation::new(Some(&caps), true);
     assert!(tx.srcpad().unwrap().peer_query(&mut q));
@@ -1040,20 +1033,37 @@ fn buffers_of_the_proposed_pool_are_sent_in_place_and_others_copied() {
     config.set_params(Some(&caps), 8, 0, 0);
     pool.set_config(config).unwrap();
     pool.set_active(true).unwrap();
-    let mut tx = tx;
+    pool
+}
+
+/// A buffer of `pool` holding eight bytes `i`, at PTS 100·i ms, lasting 100 ms.
+fn pooled(pool: &gst::BufferPool, i: u8) -> gst::Buffer {
+    let mut b = pool.acquire_buffer(None).unwrap();
+    {
+        let b = b.get_mut().unwrap();
+        b.map_writable().unwrap().copy_from_slice(&[i; 8]);
+        b.set_pts(gst::ClockTime::from_mseconds(100 * i as u64));
+        b.set_duration(gst::ClockTime::from_mseconds(100));
+    }
+    b
+}
+
+/// Upstream writes frames into the buffers of the pool `rdmasink` proposes (send blocks): they
+/// go in place, arrive bit-exact and in order, and are counted as such; a buffer from elsewhere
+/// between them is copied and counted as copied.
+#[test]
+fn buffers_of_the_proposed_pool_are_sent_in_place_and_others_copied() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 7, &[]);
+    let mut tx = sink(port, 7, GRAY, &[]);
+    let pool = proposed_pool(&tx);
     let mut want = Vec::new();
     for i in 0..6u8 {
         let b = if i == 3 {
             buffer(vec![0xC0 | i; 8], 100 * i as u64, 100)
         } else {
-            let mut b = pool.acquire_buffer(None).unwrap();
-            {
-                let b = b.get_mut().unwrap();
-                b.map_writable().unwrap().copy_from_slice(&[i; 8]);
-                b.set_pts(gst::ClockTime::from_mseconds(100 * i as u64));
-                b.set_duration(gst::ClockTime::from_mseconds(100));
-            }
-            b
+            pooled(&pool, i)
         };
         want.push(bytes(&b));
         tx.push(b).unwrap();
@@ -1106,32 +1116,11 @@ fn a_pool_buffer_held_elsewhere_is_copied_and_keeps_its_place() {
     let port = free_port();
     let mut rx = src(port, 10, &[]);
     let mut tx = sink(port, 10, GRAY, &[]);
-    let caps: gst::Caps = GRAY.parse().unwrap();
-    let mut q = gst::query::Allocation::new(Some(&caps), true);
-    assert!(tx.srcpad().unwrap().peer_query(&mut q));
-    let pool = q
-        .allocation_pools()
-        .into_iter()
-        .find_map(|(p, _, _, _)| p)
-        .expect("rdmasink proposes its pool");
-    let mut config = pool.config();
-    config.set_params(Some(&caps), 8, 0, 0);
-    pool.set_config(config).unwrap();
-    pool.set_active(true).unwrap();
-    let frame = |i: u8| {
-        let mut b = pool.acquire_buffer(None).unwrap();
-        {
-            let b = b.get_mut().unwrap();
-            b.map_writable().unwrap().copy_from_slice(&[i; 8]);
-            b.set_pts(gst::ClockTime::from_mseconds(100 * i as u64));
-            b.set_duration(gst::ClockTime::from_mseconds(100));
-        }
-        b
-    };
-    let first = frame(1);
+    let pool = proposed_pool(&tx);
+    let first = pooled(&pool, 1);
     let held = first.clone();
     tx.push(first).unwrap();
-    tx.push(frame(2)).unwrap();
+    tx.push(pooled(&pool, 2)).unwrap();
     assert_eq!(
         bytes(&rx.pull().unwrap()),
         vec![1; 8],
