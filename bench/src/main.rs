@@ -169,6 +169,22 @@ fn main() {
                 rate / 1e6
             );
         }
+        // The same over shm: `perf record -g target/release/bench engine-shm --block 65536`.
+        "engine-shm" => {
+            let block = opt("--block", 1048576.0) as usize;
+            let dir = std::env::temp_dir().join(format!("rdmastream-bench-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("a directory for the shm socket");
+            let socket = dir.join("rx.sock");
+            let l = shm::listen(&socket, region(block)).unwrap();
+            let c = ShmConnector::new(&format!("unix:{}", socket.display())).expect("unix:");
+            let rate = engine_rate(block, seconds, Box::new(l), Box::new(c));
+            let _ = std::fs::remove_dir_all(&dir);
+            println!(
+                "engine shm, {} blocks: {:.1} MB/s",
+                human(block),
+                rate / 1e6
+            );
+        }
         "verbs" => verbs(seconds),
         "frame-cpu" => frame_cpu(),
         "frame-instr" => frame_instr(opt("--rounds", 5.0) as usize),
@@ -271,7 +287,15 @@ fn engine_messages(
     let receiver = ReceiverHandle::start(receiver_opts, listener, sink.clone()).expect("receiver");
     let opts = SenderOptions {
         name: "bench".into(),
-        send_blocks: 8,
+        // As many send blocks as the receiver has blocks: a lossless message keeps its send
+        // block until a sync reads the receiver's block free again, so with fewer the sender
+        // could never have all the receiver's blocks in use (the sender binary's defaults are
+        // 8 send blocks + 8 in-place ones the filling thread borrows, against 16). The old
+        // setting: BENCH_SEND_BLOCKS=8.
+        send_blocks: std::env::var("BENCH_SEND_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(region_blocks),
         block_size: block,
         max_outstanding: 8,
         coalesce_wait: m.coalesce_wait,
@@ -316,7 +340,12 @@ fn engine_messages(
     let (f1, t1) = (sink.frames.load(Ordering::Relaxed), Instant::now());
     stop.store(true, Ordering::Relaxed);
     source.join().unwrap();
-    let _ = sender.finish(Duration::from_secs(10));
+    let report = sender.finish(Duration::from_secs(10));
+    if std::env::var("BENCH_VERBOSE").is_ok()
+        && let Ok(r) = &report
+    {
+        eprintln!("sender: {:?}", r.machine);
+    }
     receiver.stop();
     (f1 - f0) as f64 / (t1 - t0).as_secs_f64()
 }
@@ -533,12 +562,17 @@ fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
     (total - b0) as f64 / t0.elapsed().as_secs_f64()
 }
 
-fn region(block: usize) -> RegionSettings {
-    let blocks = std::env::var("BENCH_BLOCKS")
+/// The receiver's blocks per sender in the benchmarks (`BENCH_BLOCKS`, default 16, as
+/// configs/receiver.toml).
+fn region_blocks() -> usize {
+    std::env::var("BENCH_BLOCKS")
         .ok()
         .and_then(|b| b.parse().ok())
-        .unwrap_or(16);
-    RegionSettings::plain(blocks, block)
+        .unwrap_or(16)
+}
+
+fn region(block: usize) -> RegionSettings {
+    RegionSettings::plain(region_blocks(), block)
 }
 
 fn human(n: usize) -> String {
