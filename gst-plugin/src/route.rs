@@ -630,6 +630,7 @@ pub struct SharedReceiver {
     table: Arc<SenderTable>,
     local_addr: String,
     settings: RegionSettings,
+    poll_spin: Duration,
 }
 
 static RECEIVERS: LazyLock<Mutex<HashMap<ListenKey, Arc<SharedReceiver>>>> =
@@ -647,6 +648,9 @@ pub struct RouteRequest<'a> {
     pub sender: Option<String>,
     pub max_buffers: usize,
     pub policy: DropPolicy,
+    /// How long the receiver's polling thread keeps looking (yielding) after a block before it
+    /// sleeps ([`ReceiverOptions::poll_spin`]).
+    pub poll_spin: Duration,
 }
 
 /// One element's route on a shared receiver.
@@ -663,12 +667,13 @@ impl RouteLease {
             Some(s) => {
                 if s.settings.blocks != req.region.blocks
                     || s.settings.block_size != req.region.block_size
+                    || s.poll_spin != req.poll_spin
                     || s.settings.access.keys().is_anonymous()
                         != req.region.access.keys().is_anonymous()
                 {
                     tracing::warn!(
-                        "{}: sharing the listener on {} with the blocks, block-size, key and \
-                         limits of the first element",
+                        "{}: sharing the listener on {} with the blocks, block-size, key, \
+                         poll-spin and limits of the first element",
                         req.element,
                         s.local_addr
                     );
@@ -696,6 +701,7 @@ impl RouteLease {
                 let handle = ReceiverHandle::start(
                     ReceiverOptions {
                         limits: req.limits.clone(),
+                        poll_spin: req.poll_spin,
                         ..ReceiverOptions::default()
                     },
                     Box::new(listener),
@@ -712,6 +718,7 @@ impl RouteLease {
                     router,
                     table,
                     settings: req.region.clone(),
+                    poll_spin: req.poll_spin,
                 });
                 receivers.insert(req.key.clone(), shared.clone());
                 shared

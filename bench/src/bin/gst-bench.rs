@@ -77,6 +77,8 @@ struct Run {
     /// buffers and the sink copies each frame (shmsink's own allocator, let through, stalls
     /// this pipeline: its 8-frame area never comes free while the probe holds a frame).
     in_place: bool,
+    /// rdmasrc's `poll-spin`, µs.
+    poll_spin: u32,
 }
 
 fn caps() -> String {
@@ -126,8 +128,9 @@ impl Run {
         let (port, socket, transport) = (self.port, &self.socket, &self.transport);
         let src = match self.variant {
             Variant::Rdma => format!(
-                "rdmasrc address={} port={port} transport={transport}",
-                self.rdma_host()
+                "rdmasrc address={} port={port} transport={transport} poll-spin={}",
+                self.rdma_host(),
+                self.poll_spin
             ),
             Variant::Tcp => format!("tcpclientsrc host=127.0.0.1 port={port} ! gdpdepay"),
             // shmsrc carries no caps: they have to be known in advance.
@@ -187,6 +190,7 @@ fn child(args: &[String]) {
         port: get("--port").parse().unwrap(),
         socket: get("--socket"),
         in_place: get("--in-place") == "true",
+        poll_spin: get("--poll-spin").parse().unwrap(),
     };
     let start: u64 = get("--start").parse().unwrap();
     let end: u64 = get("--end").parse().unwrap();
@@ -298,6 +302,8 @@ fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
             &run.socket,
             "--in-place",
             if run.in_place { "true" } else { "false" },
+            "--poll-spin",
+            &run.poll_spin.to_string(),
             "--start",
             &start.to_string(),
             "--end",
@@ -361,10 +367,11 @@ fn main() {
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place]\n\
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50]\n\
              Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
              for 640x480 RGB at 25 fps and unthrottled. --in-place: videotestsrc writes into \
-             rdmasink's pool of send blocks (otherwise every sink copies each frame)."
+             rdmasink's pool of send blocks (otherwise every sink copies each frame). --poll-spin: \
+             rdmasrc's poll-spin (µs)."
         );
         return;
     }
@@ -373,6 +380,7 @@ fn main() {
     let transport = opt("--transport", "tcp");
     let only = opt("--only", "rdma,tcp,shm");
     let in_place = args.iter().any(|a| a == "--in-place");
+    let poll_spin: u32 = opt("--poll-spin", "50").parse().expect("--poll-spin");
     gst::init().unwrap();
     let dir = std::env::temp_dir().join(format!("gst-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -397,6 +405,7 @@ fn main() {
                 transport: transport.clone(),
                 port: free_port(),
                 in_place,
+                poll_spin,
                 socket: dir
                     .join(format!("shm-{}-{live}", variant.name()))
                     .display()
