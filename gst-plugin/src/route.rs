@@ -630,7 +630,8 @@ pub struct SharedReceiver {
     table: Arc<SenderTable>,
     local_addr: String,
     settings: RegionSettings,
-    poll_spin: Duration,
+    /// `poll_spin` and `poll_max` of the receiver.
+    poll: (Duration, Duration),
 }
 
 static RECEIVERS: LazyLock<Mutex<HashMap<ListenKey, Arc<SharedReceiver>>>> =
@@ -649,8 +650,10 @@ pub struct RouteRequest<'a> {
     pub max_buffers: usize,
     pub policy: DropPolicy,
     /// How long the receiver's polling thread keeps looking (yielding) after a block before it
-    /// sleeps ([`ReceiverOptions::poll_spin`]).
+    /// sleeps ([`ReceiverOptions::poll_spin`]), and its longest sleep
+    /// ([`ReceiverOptions::poll_max`]).
     pub poll_spin: Duration,
+    pub poll_max: Duration,
 }
 
 /// One element's route on a shared receiver.
@@ -667,13 +670,13 @@ impl RouteLease {
             Some(s) => {
                 if s.settings.blocks != req.region.blocks
                     || s.settings.block_size != req.region.block_size
-                    || s.poll_spin != req.poll_spin
+                    || s.poll != (req.poll_spin, req.poll_max)
                     || s.settings.access.keys().is_anonymous()
                         != req.region.access.keys().is_anonymous()
                 {
                     tracing::warn!(
                         "{}: sharing the listener on {} with the blocks, block-size, key, \
-                         poll-spin and limits of the first element",
+                         poll-spin, poll-max and limits of the first element",
                         req.element,
                         s.local_addr
                     );
@@ -702,6 +705,8 @@ impl RouteLease {
                     ReceiverOptions {
                         limits: req.limits.clone(),
                         poll_spin: req.poll_spin,
+                        poll_max: req.poll_max,
+                        poll_min: ReceiverOptions::default().poll_min.min(req.poll_max),
                         ..ReceiverOptions::default()
                     },
                     Box::new(listener),
@@ -718,7 +723,7 @@ impl RouteLease {
                     router,
                     table,
                     settings: req.region.clone(),
-                    poll_spin: req.poll_spin,
+                    poll: (req.poll_spin, req.poll_max),
                 });
                 receivers.insert(req.key.clone(), shared.clone());
                 shared

@@ -244,8 +244,8 @@ fn raw_video_written_in_place_into_send_blocks_arrives_byte_exact() {
 
 /// The same stream over the shm transport: `rdmasrc` listens on a Unix socket and `rdmasink`
 /// (transport auto) connects to it and writes every block into the receiver's shared memory.
-/// With `poll-spin=0` the receiver's polling thread sleeps as soon as a scan finds nothing, so
-/// every block is found after a sleep.
+/// With `poll-spin=0` the receiver's polling thread sleeps (at most `poll-max`, 50 µs) as soon as
+/// a scan finds nothing, so every block is found after a sleep.
 #[test]
 fn raw_video_arrives_byte_exact_over_shm() {
     let dir = tempfile::tempdir().unwrap();
@@ -262,7 +262,7 @@ fn raw_video_arrives_byte_exact_over_shm() {
         d,
         "receiver",
         &format!(
-            "rdmasrc transport=shm address={sock} device-id=3 block-size=262144 poll-spin=0 ! filesink location=out.raw"
+            "rdmasrc transport=shm address={sock} device-id=3 block-size=262144 poll-spin=0 poll-max=50 ! filesink location=out.raw"
         ),
     );
     let tx = Launch::start(

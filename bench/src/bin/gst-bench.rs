@@ -77,8 +77,9 @@ struct Run {
     /// buffers and the sink copies each frame (shmsink's own allocator, let through, stalls
     /// this pipeline: its 8-frame area never comes free while the probe holds a frame).
     in_place: bool,
-    /// rdmasrc's `poll-spin`, µs.
+    /// rdmasrc's `poll-spin` and `poll-max`, µs.
     poll_spin: u32,
+    poll_max: u32,
 }
 
 fn caps() -> String {
@@ -128,9 +129,10 @@ impl Run {
         let (port, socket, transport) = (self.port, &self.socket, &self.transport);
         let src = match self.variant {
             Variant::Rdma => format!(
-                "rdmasrc address={} port={port} transport={transport} poll-spin={}",
+                "rdmasrc address={} port={port} transport={transport} poll-spin={} poll-max={}",
                 self.rdma_host(),
-                self.poll_spin
+                self.poll_spin,
+                self.poll_max
             ),
             Variant::Tcp => format!("tcpclientsrc host=127.0.0.1 port={port} ! gdpdepay"),
             // shmsrc carries no caps: they have to be known in advance.
@@ -191,6 +193,7 @@ fn child(args: &[String]) {
         socket: get("--socket"),
         in_place: get("--in-place") == "true",
         poll_spin: get("--poll-spin").parse().unwrap(),
+        poll_max: get("--poll-max").parse().unwrap(),
     };
     let start: u64 = get("--start").parse().unwrap();
     let end: u64 = get("--end").parse().unwrap();
@@ -304,6 +307,8 @@ fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
             if run.in_place { "true" } else { "false" },
             "--poll-spin",
             &run.poll_spin.to_string(),
+            "--poll-max",
+            &run.poll_max.to_string(),
             "--start",
             &start.to_string(),
             "--end",
@@ -367,11 +372,11 @@ fn main() {
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50]\n\
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500]\n\
              Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
              for 640x480 RGB at 25 fps and unthrottled. --in-place: videotestsrc writes into \
-             rdmasink's pool of send blocks (otherwise every sink copies each frame). --poll-spin: \
-             rdmasrc's poll-spin (µs)."
+             rdmasink's pool of send blocks (otherwise every sink copies each frame). --poll-spin, \
+             --poll-max: rdmasrc's poll-spin and poll-max (µs)."
         );
         return;
     }
@@ -381,6 +386,7 @@ fn main() {
     let only = opt("--only", "rdma,tcp,shm");
     let in_place = args.iter().any(|a| a == "--in-place");
     let poll_spin: u32 = opt("--poll-spin", "50").parse().expect("--poll-spin");
+    let poll_max: u32 = opt("--poll-max", "500").parse().expect("--poll-max");
     gst::init().unwrap();
     let dir = std::env::temp_dir().join(format!("gst-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -406,6 +412,7 @@ fn main() {
                 port: free_port(),
                 in_place,
                 poll_spin,
+                poll_max,
                 socket: dir
                     .join(format!("shm-{}-{live}", variant.name()))
                     .display()

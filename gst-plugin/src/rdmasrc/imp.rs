@@ -50,6 +50,9 @@ const DEFAULT_MAX_FRAME_BYTES: u64 = 16 << 20;
 /// `poll-spin`, µs: the receiver's default (`ReceiverOptions::poll_spin`, the receiver binary's
 /// `poll_spin_us`).
 const DEFAULT_POLL_SPIN_US: u32 = 50;
+/// `poll-max`, µs: the receiver's default longest sleep between status scans
+/// (`ReceiverOptions::poll_max`, `poll_max_us`).
+const DEFAULT_POLL_MAX_US: u32 = 500;
 
 /// How often a waiting `create` looks at whether its sender is still connected.
 const IDLE_CHECK: Duration = Duration::from_millis(50);
@@ -84,6 +87,7 @@ struct Settings {
     timeout_ns: u64,
     stats_interval_ms: u32,
     poll_spin_us: u32,
+    poll_max_us: u32,
     /// `metrics`: address:port whose /metrics lists this element.
     metrics: Option<String>,
 }
@@ -115,6 +119,7 @@ impl Default for Settings {
             timeout_ns: DEFAULT_TIMEOUT_NS,
             stats_interval_ms: crate::report::DEFAULT_STATS_INTERVAL_MS,
             poll_spin_us: DEFAULT_POLL_SPIN_US,
+            poll_max_us: DEFAULT_POLL_MAX_US,
             metrics: None,
         }
     }
@@ -601,6 +606,14 @@ impl ObjectImpl for RdmaSrc {
                     .default_value(DEFAULT_POLL_SPIN_US)
                     .mutable_ready()
                     .build(),
+                glib::ParamSpecUInt::builder("poll-max")
+                    .nick("Poll max")
+                    .blurb("Longest sleep in microseconds between two scans of the status bytes when no block arrives (the sleep starts at 20 us and doubles up to this): the latency a frame of a slow stream can wait to be seen, against the wake-ups of an idle receiver. Shared by the elements on one address (the first one's value)")
+                    .minimum(1)
+                    .maximum(100_000)
+                    .default_value(DEFAULT_POLL_MAX_US)
+                    .mutable_ready()
+                    .build(),
                 glib::ParamSpecUInt::builder("max-buffers")
                     .nick("Max buffers")
                     .blurb("Frames queued between the receiver and this element's streaming thread")
@@ -675,6 +688,7 @@ impl ObjectImpl for RdmaSrc {
             "latency" => s.latency_ms = value.get().expect("type checked upstream"),
             "max-buffers" => s.max_buffers = value.get().expect("type checked upstream"),
             "poll-spin" => s.poll_spin_us = value.get().expect("type checked upstream"),
+            "poll-max" => s.poll_max_us = value.get().expect("type checked upstream"),
             "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
             "wait-for-sender" => s.wait_for_sender = value.get().expect("type checked upstream"),
             "timeout" => s.timeout_ns = value.get().expect("type checked upstream"),
@@ -707,6 +721,7 @@ impl ObjectImpl for RdmaSrc {
             "latency" => s.latency_ms.to_value(),
             "max-buffers" => s.max_buffers.to_value(),
             "poll-spin" => s.poll_spin_us.to_value(),
+            "poll-max" => s.poll_max_us.to_value(),
             "drop-policy" => s.drop_policy.to_value(),
             "wait-for-sender" => s.wait_for_sender.to_value(),
             "timeout" => s.timeout_ns.to_value(),
@@ -850,6 +865,7 @@ impl BaseSrcImpl for RdmaSrc {
             sender: settings.sender_name.clone(),
             max_buffers: settings.max_buffers as usize,
             poll_spin: Duration::from_micros(settings.poll_spin_us.into()),
+            poll_max: Duration::from_micros(settings.poll_max_us.into()),
             policy: settings.drop_policy.into(),
         })
         .map_err(|e| {
@@ -975,10 +991,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn poll_spin_defaults_to_the_receivers() {
+    fn poll_spin_and_poll_max_default_to_the_receivers() {
         assert_eq!(
             Duration::from_micros(DEFAULT_POLL_SPIN_US.into()),
             rdmastream::engine::ReceiverOptions::default().poll_spin
+        );
+        assert_eq!(
+            Duration::from_micros(DEFAULT_POLL_MAX_US.into()),
+            rdmastream::engine::ReceiverOptions::default().poll_max
         );
     }
 }
