@@ -8,8 +8,10 @@
 //! make the receiver take blocks in a random order or slowly; drop the connection (the sender
 //! reconnects to a fresh region, resends its formats, the receiver restarts its streams);
 //! corrupt the data of chosen writes (the receiver rejects the block and its device's stream
-//! gives the packet up at its reorder timeout); change formats; and bring a device number back
-//! after (or while) its previous stream ends.
+//! gives the packet up at its reorder timeout); seal blocks as a sender over a transport that
+//! places them whole before their status byte does ([`SimConfig::placement`]: tcp, shm — the
+//! header seal); change formats; and bring a device number back after (or while) its previous
+//! stream ends.
 //!
 //! The receiver side ends in a sink that, like the engine's, recognises a frame it already
 //! wrote by its index.
@@ -40,8 +42,8 @@ use crate::proto::coalesce;
 use crate::proto::window::{Immediate, ReceiverAction, WindowAction, WindowReceiver, WindowSender};
 use crate::proto::{
     Added, Batch, BlockHeader, Budget, Coalescer, Delivery, FillingMachine, Limits, Message,
-    MessageTimes, Packet, RemoteLayout, ReorderConfig, SenderMachine, SenderSession, StreamEvent,
-    fragment_range, status,
+    MessageTimes, Packet, Placement, RemoteLayout, ReorderConfig, SenderMachine, SenderSession,
+    StreamEvent, fragment_range, status,
 };
 use crate::transport::{
     Completion, Connection, RemoteAddr, SendBlocks, Target, WriteSource, WriteWr,
@@ -137,8 +139,14 @@ pub struct SimConfig {
     pub queue_depth: usize,
     /// Drop the connection at these times; the sender reconnects to a fresh region.
     pub disconnects: Vec<Duration>,
-    /// Write chains (numbered from 0 in posting order) whose data arrives corrupted.
+    /// Write chains (numbered from 0 in posting order) whose data arrives corrupted: the byte
+    /// at `corrupt_offset` of the block flipped (default the first payload byte).
     pub corrupt_writes: Vec<u64>,
+    pub corrupt_offset: usize,
+    /// What the simulated transport guarantees about placement, and so how the sender seals a
+    /// block and what the receiver accepts: `Unordered` (verbs, the default) seals the whole
+    /// block; `Ordered` (tcp, shm) seals the header of a single-message block only.
+    pub placement: Placement,
     pub reorder: ReorderConfig,
     /// The sender's `coalesce_wait_us`: how long a small lossy message may wait to share a
     /// block with others (zero: coalescing off).
@@ -167,6 +175,8 @@ impl Default for SimConfig {
             queue_depth: 4,
             disconnects: Vec::new(),
             corrupt_writes: Vec::new(),
+            corrupt_offset: crate::proto::HEADER_LEN,
+            placement: Placement::Unordered,
             reorder: ReorderConfig::default(),
             coalesce_wait: Duration::ZERO,
         }
@@ -861,7 +871,7 @@ impl Pair {
             self.schedule_reorder_timeout();
             return false;
         }
-        let Ok((h, p)) = BlockHeader::decode_block(bytes, 255) else {
+        let Ok((h, p)) = BlockHeader::decode_block_on(bytes, 255, self.cfg.placement) else {
             self.report.invalid += 1;
             return false;
         };
@@ -1037,7 +1047,12 @@ impl Pair {
             let Some(b) = self.free.front().copied() else {
                 return;
             };
-            let batch = self.ready.pop_front().expect("not empty");
+            let mut batch = self.ready.pop_front().expect("not empty");
+            // As the engine's filling thread: a block of one message is sealed for the
+            // transport's placement (a coalesced block keeps the full seal).
+            if let [(h, _)] = &mut batch[..] {
+                *h = h.sealed_for(self.cfg.placement);
+            }
             let used = self
                 .conn
                 .blocks
@@ -1123,7 +1138,7 @@ impl Pair {
                     status,
                 } => {
                     if self.cfg.corrupt_writes.contains(&self.writes_posted)
-                        && let Some(b) = bytes.get_mut(crate::proto::HEADER_LEN)
+                        && let Some(b) = bytes.get_mut(self.cfg.corrupt_offset)
                     {
                         *b ^= 0xff;
                     }
@@ -1198,7 +1213,7 @@ impl Pair {
         let conn = self.conn_id;
         for (wr_id, imm, mut bytes) in posted {
             if self.cfg.corrupt_writes.contains(&self.writes_posted)
-                && let Some(b) = bytes.get_mut(crate::proto::HEADER_LEN)
+                && let Some(b) = bytes.get_mut(self.cfg.corrupt_offset)
             {
                 *b ^= 0xff;
             }

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use rdmastream::proto::{HEADER_LEN, Placement};
 use rdmastream::sim::{
     Pair, Retention, SimConfig, SimDevice, SimMechanism, SimPolicy, SimReport, payload, run,
 };
@@ -640,4 +641,100 @@ fn lossless_messages_never_share_a_block() {
     let r = run(&cfg, LIMIT);
     assert_complete(&cfg, &r);
     assert_eq!(r.coalesced_blocks, 0);
+}
+
+/// The header seal (tcp, shm: the CRC32C covers a block's header only) changes what the
+/// receiver checks, not what it gets: multi-block frames of several devices taken in a random
+/// order, retained blocks and dropped connections deliver the same frames, bit-exact and in
+/// order, as with the whole block sealed (verbs).
+#[test]
+fn the_header_seal_delivers_the_same_frames_as_the_full_seal() {
+    let workloads = [
+        SimConfig {
+            remote_blocks: 8,
+            send_blocks: 6,
+            max_outstanding: 4,
+            random_order: true,
+            seed: 11,
+            retentions: vec![Retention {
+                block: 2,
+                from: Duration::from_micros(200),
+                until: Duration::from_millis(3),
+            }],
+            devices: (0..4)
+                .map(|i| dev(i * 7, 60 + 400 * i as usize, 80, 6 + i as u64))
+                .collect(),
+            ..Default::default()
+        },
+        SimConfig {
+            remote_blocks: 6,
+            send_blocks: 5,
+            max_outstanding: 3,
+            write_latency: Duration::from_micros(30),
+            ack_latency: Duration::from_micros(30),
+            disconnects: (1..20)
+                .map(|k| Duration::from_micros(k * 1013 + (k * k * 41) % 67))
+                .collect(),
+            devices: vec![dev(1, 500, 200, 10), dev(2, 40, 200, 10)],
+            ..Default::default()
+        },
+    ];
+    for cfg in workloads {
+        let full = run(&cfg, LIMIT);
+        let header = SimConfig {
+            placement: Placement::Ordered,
+            ..cfg.clone()
+        };
+        let sealed = run(&header, LIMIT);
+        assert_complete(&header, &sealed);
+        assert_eq!(sealed.invalid, 0);
+        assert_eq!(
+            sealed.delivered, full.delivered,
+            "the header seal changed what was delivered"
+        );
+    }
+}
+
+/// Under the header seal a torn or corrupted header is still rejected, but the payload is
+/// trusted to the transport: a payload byte changed in flight arrives changed. That is why only
+/// transports that place a block whole before its status byte use it, and why a verbs receiver
+/// refuses a header-sealed block (docs/protocol.md, "Seal by transport").
+#[test]
+fn the_header_seal_rejects_a_corrupted_header_and_trusts_the_payload() {
+    let at = |corrupt_offset: usize| SimConfig {
+        // Write 0 is device 0's format, write k its frame k-1: frame 9 arrives corrupted.
+        corrupt_writes: vec![10],
+        corrupt_offset,
+        placement: Placement::Ordered,
+        policy: SimPolicy::DropOldest,
+        queue_depth: 1000,
+        reorder: rdmastream::proto::ReorderConfig {
+            window: 64,
+            timeout: Duration::from_millis(5),
+        },
+        devices: vec![dev(0, 100, 40, 10)],
+        ..Default::default()
+    };
+    // A header byte (inside the packet number's field region): the block is rejected.
+    let r = run(&at(8), LIMIT);
+    let indices: Vec<u64> = r.delivered.iter().map(|(_, f, _)| *f).collect();
+    assert_eq!(indices, (0..40).filter(|&f| f != 9).collect::<Vec<_>>());
+    assert_eq!((r.invalid, r.gap_packets), (1, 1));
+    // The first payload byte: accepted, and frame 9 arrives with that byte changed.
+    let r = run(&at(HEADER_LEN), LIMIT);
+    assert_eq!(r.invalid, 0);
+    assert_eq!(r.delivered.len(), 40);
+    let (_, f, data) = &r.delivered[9];
+    let mut want = payload(0, 9, 100);
+    want[0] ^= 0xff;
+    assert_eq!((*f, data), (9, &want));
+    // The same payload corruption with the whole block sealed (verbs) is caught.
+    let r = run(
+        &SimConfig {
+            placement: Placement::Unordered,
+            ..at(HEADER_LEN)
+        },
+        LIMIT,
+    );
+    assert_eq!((r.invalid, r.gap_packets), (1, 1));
 }
