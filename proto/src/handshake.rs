@@ -3,7 +3,7 @@
 //! docs/protocol.md. Decoding checks every length and value, so a malformed or hostile handshake
 //! is rejected before anything is allocated for it.
 //!
-//! The exchange (version 2):
+//! The exchange (version 3; the same messages as version 2):
 //!
 //! ```text
 //! sender                                   receiver
@@ -22,8 +22,10 @@
 
 use hmac::{KeyInit, Mac};
 
-/// Version of the handshake and of the whole wire protocol.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Version of the handshake and of the whole wire protocol. 3: blocks may be coalesced (layout
+/// version 2) or sealed over their header only (HEADER_SEAL), which a version-2 receiver would
+/// count as invalid blocks after admitting the sender; the handshake is version 2's.
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Longest encoded handshake message accepted.
 pub const MAX_MESSAGE: usize = 1024;
 /// Bytes of a nonce and of a proof.
@@ -256,12 +258,12 @@ fn put_qp(out: &mut Vec<u8>, qp: &QpInfo) {
     out.extend_from_slice(&qp.gid);
 }
 
-/// Reads magic and version. Accepts `also` (an older version some message kinds still decode,
-/// to turn an old peer away with words it understands) besides [`PROTOCOL_VERSION`].
+/// Reads magic and version. Accepts the versions in `also` (older ones some message kinds still
+/// decode, to turn an old peer away with words it understands) besides [`PROTOCOL_VERSION`].
 fn check_header(
     r: &mut Reader<'_>,
     magic: &[u8; 4],
-    also: Option<u16>,
+    also: std::ops::Range<u16>,
 ) -> Result<u16, HandshakeError> {
     if r.b.len() > MAX_MESSAGE {
         return Err(HandshakeError::TooLong(r.b.len()));
@@ -270,7 +272,7 @@ fn check_header(
         return Err(HandshakeError::BadMagic);
     }
     let version = r.u16()?;
-    if version != PROTOCOL_VERSION && Some(version) != also {
+    if version != PROTOCOL_VERSION && !also.contains(&version) {
         return Err(HandshakeError::BadVersion(version));
     }
     Ok(version)
@@ -303,7 +305,7 @@ impl Hello {
     /// Decodes and validates a message body.
     pub fn decode(b: &[u8]) -> Result<Hello, HandshakeError> {
         let mut r = Reader { b, at: 0 };
-        let version = check_header(&mut r, HELLO_MAGIC, None)?;
+        let version = check_header(&mut r, HELLO_MAGIC, 0..0)?;
         let sender = r.string("sender name")?;
         if !valid_sender_name(&sender) {
             return Err(HandshakeError::BadField("sender name"));
@@ -353,7 +355,7 @@ impl Challenge {
 
     pub fn decode(b: &[u8]) -> Result<Challenge, HandshakeError> {
         let mut r = Reader { b, at: 0 };
-        let version = check_header(&mut r, CHALLENGE_MAGIC, None)?;
+        let version = check_header(&mut r, CHALLENGE_MAGIC, 0..0)?;
         let auth = match r.u8()? {
             0 => AuthKind::None,
             1 => AuthKind::HmacSha256,
@@ -380,7 +382,7 @@ impl Proof {
 
     pub fn decode(b: &[u8]) -> Result<Proof, HandshakeError> {
         let mut r = Reader { b, at: 0 };
-        let version = check_header(&mut r, PROOF_MAGIC, None)?;
+        let version = check_header(&mut r, PROOF_MAGIC, 0..0)?;
         let mac = r.array()?;
         r.finish()?;
         Ok(Proof { version, mac })
@@ -432,19 +434,24 @@ impl Welcome {
         out
     }
 
-    /// A refusal in the version-1 layout (no proof field), for a sender that speaks only version
-    /// 1: it decodes this and shows `error` to its user.
-    pub fn encode_v1_refusal(error: &str) -> Vec<u8> {
+    /// A refusal for a sender that speaks the older `version` (1 or 2), in the layout it reads
+    /// (version 1: no proof field; version 2: this one), so it shows `error` to its user.
+    pub fn encode_old_refusal(version: u16, error: &str) -> Vec<u8> {
         let mut w = Welcome::refusal(error);
-        w.version = 1;
-        w.encode_unproven()
+        w.version = version;
+        if version == 1 {
+            w.encode_unproven()
+        } else {
+            w.encode()
+        }
     }
 
-    /// Decodes and validates a message body. A version-1 refusal (an old receiver turning this
-    /// sender away) decodes too, as a refusal, so its reason reaches the user.
+    /// Decodes and validates a message body. A refusal of an older version (an old receiver
+    /// turning this sender away) decodes too, as a refusal, so its reason reaches the user; an
+    /// older version's acceptance does not.
     pub fn decode(b: &[u8]) -> Result<Welcome, HandshakeError> {
         let mut r = Reader { b, at: 0 };
-        let version = check_header(&mut r, WELCOME_MAGIC, Some(1))?;
+        let version = check_header(&mut r, WELCOME_MAGIC, 1..PROTOCOL_VERSION)?;
         let mut w = Welcome {
             version,
             error: r.string("error text")?,
@@ -466,6 +473,9 @@ impl Welcome {
         }
         w.mac = r.array()?;
         r.finish()?;
+        if w.error.is_empty() && version != PROTOCOL_VERSION {
+            return Err(HandshakeError::BadVersion(version));
+        }
         if w.error.is_empty()
             && (!(1..=MAX_REMOTE_BLOCKS).contains(&w.blocks)
                 || w.block_size as usize <= super::OVERHEAD
@@ -687,7 +697,7 @@ mod tests {
     #[test]
     fn an_old_peer_gets_a_refusal_it_can_read() {
         // What a version-1 sender decodes: magic, version 1, the reason, then the region fields.
-        let v1 = Welcome::encode_v1_refusal("protocol version 1 is not supported");
+        let v1 = Welcome::encode_old_refusal(1, "protocol version 1 is not supported");
         assert_eq!(&v1[4..6], &1u16.to_le_bytes());
         let w = Welcome::decode(&v1).unwrap();
         assert_eq!(w.error, "protocol version 1 is not supported");
@@ -698,6 +708,46 @@ mod tests {
             Hello::decode(&old_hello),
             Err(HandshakeError::BadVersion(1))
         );
+    }
+
+    #[test]
+    fn a_version_2_peer_is_turned_away_both_ways_with_a_reason() {
+        // A version-2 sender (no coalesced or header-sealed blocks, the same handshake) gets a
+        // refusal in its own layout: version 2, the error, the region fields, a proof field.
+        let v2 = Welcome::encode_old_refusal(2, "protocol version 2 is not supported");
+        assert_eq!(&v2[4..6], &2u16.to_le_bytes());
+        let mut same = Welcome::refusal("protocol version 2 is not supported");
+        same.version = 2;
+        assert_eq!(v2, same.encode(), "the layout version 2 decodes");
+        let mut old_hello = hello().encode();
+        old_hello[4..6].copy_from_slice(&2u16.to_le_bytes());
+        assert_eq!(claimed_version(&old_hello), Some(2));
+        assert_eq!(
+            Hello::decode(&old_hello),
+            Err(HandshakeError::BadVersion(2))
+        );
+        // This sender, refused by a version-2 receiver, shows the receiver's reason ...
+        let w = Welcome::decode(&v2).unwrap();
+        assert_eq!(w.error, "protocol version 2 is not supported");
+        // ... and never takes a version-2 receiver's acceptance for its own.
+        let mut accepted = Welcome {
+            version: 2,
+            error: String::new(),
+            blocks: 4,
+            block_size: 4096,
+            status_addr: 0,
+            status_rkey: 0,
+            blocks_addr: 64,
+            blocks_rkey: 0,
+            qp: QpInfo::default(),
+            mac: [0; PROOF_LEN],
+        };
+        assert_eq!(
+            Welcome::decode(&accepted.encode()),
+            Err(HandshakeError::BadVersion(2))
+        );
+        accepted.version = PROTOCOL_VERSION;
+        assert!(Welcome::decode(&accepted.encode()).is_ok());
     }
 
     #[test]

@@ -331,9 +331,13 @@ pub fn malformed_handshakes(from: &str, addr: &str) -> Vec<String> {
     let good = hello("mallory", 1).encode();
     answers.push(answer_to(from, addr, &good[..good.len() / 2]));
     answers.push(answer_to(from, addr, b"GET / HTTP/1.1\r\n"));
-    let mut v1 = good.clone();
-    v1[4..6].copy_from_slice(&1u16.to_le_bytes());
-    answers.push(answer_to(from, addr, &v1));
+    // Senders of older protocol versions (1: a token, no proofs; 2: no coalesced or
+    // header-sealed blocks).
+    for old in [1u16, 2] {
+        let mut h = good.clone();
+        h[4..6].copy_from_slice(&old.to_le_bytes());
+        answers.push(answer_to(from, addr, &h));
+    }
     answers
 }
 

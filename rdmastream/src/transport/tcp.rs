@@ -409,10 +409,11 @@ pub fn server_handshake<T, S: SideStream>(
             if let Some(v) = claimed_version(&hello_bytes).filter(|&v| v < PROTOCOL_VERSION) {
                 // An older sender: answer in the layout it reads, so its user sees why.
                 let why = format!(
-                    "protocol version {v} is not supported: this receiver speaks version                      {PROTOCOL_VERSION}; upgrade the sender"
+                    "protocol version {v} is not supported: this receiver speaks version \
+                     {PROTOCOL_VERSION}; upgrade the sender"
                 );
                 crate::warn_limited!("refused-version", "refused connection from {peer}: {why}");
-                let _ = send_message(stream, &Welcome::encode_v1_refusal(&why));
+                let _ = send_message(stream, &Welcome::encode_old_refusal(v, &why));
                 stream.shutdown_both();
                 return Err(Refusal {
                     peer,
