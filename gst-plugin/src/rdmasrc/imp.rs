@@ -601,14 +601,14 @@ impl ObjectImpl for RdmaSrc {
                     .build(),
                 glib::ParamSpecUInt::builder("poll-spin")
                     .nick("Poll spin")
-                    .blurb("Microseconds the receiver keeps looking for the next block (yielding the CPU) after one arrived, before it sleeps (20 us doubling to 500 us): a lower latency for streams whose frames come close together, paid in CPU; 0 sleeps at once. Shared by the elements on one address (the first one's value)")
+                    .blurb("Microseconds the receiver keeps looking for the next block (yielding the CPU) after one arrived, before it sleeps (20 us, doubling up to poll-max): a lower latency for streams whose frames come close together, paid in CPU; 0 sleeps at once. Shared by the elements on one address (the first one's value)")
                     .maximum(100_000)
                     .default_value(DEFAULT_POLL_SPIN_US)
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecUInt::builder("poll-max")
                     .nick("Poll max")
-                    .blurb("Longest sleep in microseconds between two scans of the status bytes when no block arrives (the sleep starts at 20 us and doubles up to this): the latency a frame of a slow stream can wait to be seen, against the wake-ups of an idle receiver. Shared by the elements on one address (the first one's value)")
+                    .blurb("Longest sleep in microseconds between two scans of the status bytes when no block arrives (the sleep starts at 20 us, or this if lower, and doubles up to this): the latency a frame of a slow stream can wait to be seen, against the wake-ups of an idle receiver. Shared by the elements on one address (the first one's value)")
                     .minimum(1)
                     .maximum(100_000)
                     .default_value(DEFAULT_POLL_MAX_US)
