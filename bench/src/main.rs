@@ -172,13 +172,8 @@ fn main() {
         // The same over shm: `perf record -g target/release/bench engine-shm --block 65536`.
         "engine-shm" => {
             let block = opt("--block", 1048576.0) as usize;
-            let dir = std::env::temp_dir().join(format!("rdmastream-bench-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).expect("a directory for the shm socket");
-            let socket = dir.join("rx.sock");
-            let l = shm::listen(&socket, region(block)).unwrap();
-            let c = ShmConnector::new(&format!("unix:{}", socket.display())).expect("unix:");
-            let rate = engine_rate(block, seconds, Box::new(l), Box::new(c));
-            let _ = std::fs::remove_dir_all(&dir);
+            let socket = ShmSocket::new("bench");
+            let rate = engine_rate(block, seconds, socket.listen(block), socket.connector());
             println!(
                 "engine shm, {} blocks: {:.1} MB/s",
                 human(block),
@@ -270,18 +265,12 @@ fn engine_messages(
     let sink = Arc::new(CountingSink::default());
     // BENCH_POLL_MAX_US caps the receiver's idle sleep (default 500 µs), to see what it costs.
     let mut receiver_opts = ReceiverOptions::default();
-    if let Some(us) = std::env::var("BENCH_POLL_MAX_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
+    if let Some(us) = env_knob("BENCH_POLL_MAX_US") {
         receiver_opts.poll_max = Duration::from_micros(us);
         receiver_opts.poll_min = receiver_opts.poll_min.min(receiver_opts.poll_max);
     }
     // BENCH_POLL_SPIN_US sets how long it yields after a block before sleeping (default 50 µs).
-    if let Some(us) = std::env::var("BENCH_POLL_SPIN_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
+    if let Some(us) = env_knob("BENCH_POLL_SPIN_US") {
         receiver_opts.poll_spin = Duration::from_micros(us);
     }
     let receiver = ReceiverHandle::start(receiver_opts, listener, sink.clone()).expect("receiver");
@@ -292,10 +281,7 @@ fn engine_messages(
         // could never have all the receiver's blocks in use (the sender binary's defaults are
         // 8 send blocks + 8 in-place ones the filling thread borrows, against 16). The old
         // setting: BENCH_SEND_BLOCKS=8.
-        send_blocks: std::env::var("BENCH_SEND_BLOCKS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(region_blocks),
+        send_blocks: env_knob("BENCH_SEND_BLOCKS").unwrap_or_else(region_blocks),
         block_size: block,
         max_outstanding: 8,
         coalesce_wait: m.coalesce_wait,
@@ -374,10 +360,7 @@ fn small_messages(secs: f64) {
         "shm on/pl",
         "on/off"
     );
-    let socket_dir =
-        std::env::temp_dir().join(format!("rdmastream-bench-small-{}", std::process::id()));
-    std::fs::create_dir_all(&socket_dir).expect("a directory for the shm sockets");
-    let socket = socket_dir.join("rx.sock");
+    let socket = ShmSocket::new("bench-small");
     for len in [64usize, 128, 256, 512, 1024] {
         let over_tcp = |coalesce_wait| {
             let l = tcp::listen("127.0.0.1:0", region(BLOCK)).unwrap();
@@ -396,14 +379,12 @@ fn small_messages(secs: f64) {
             )
         };
         let over_shm = |coalesce_wait| {
-            let l = shm::listen(&socket, region(BLOCK)).unwrap();
-            let c = ShmConnector::new(&format!("unix:{}", socket.display())).expect("unix:");
             let m = Small {
                 len,
                 reliable: false,
                 coalesce_wait,
             };
-            engine_messages(BLOCK, m, secs, Box::new(l), Box::new(c))
+            engine_messages(BLOCK, m, secs, socket.listen(BLOCK), socket.connector())
         };
         let off = over_tcp(Duration::ZERO);
         let on = over_tcp(wait);
@@ -424,7 +405,6 @@ fn small_messages(secs: f64) {
             on / off
         );
     }
-    let _ = std::fs::remove_dir_all(&socket_dir);
 }
 
 /// The transport alone: the sending-thread loop ([`SenderMachine`] + one [`Connection`]) posting
@@ -562,13 +542,45 @@ fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
     (total - b0) as f64 / t0.elapsed().as_secs_f64()
 }
 
+/// A benchmark knob from the environment (`BENCH_*`), if set and parseable.
+fn env_knob<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
 /// The receiver's blocks per sender in the benchmarks (`BENCH_BLOCKS`, default 16, as
 /// configs/receiver.toml).
 fn region_blocks() -> usize {
-    std::env::var("BENCH_BLOCKS")
-        .ok()
-        .and_then(|b| b.parse().ok())
-        .unwrap_or(16)
+    env_knob("BENCH_BLOCKS").unwrap_or(16)
+}
+
+/// A Unix socket for the shm transport's benchmarks, in a directory of its own that goes away
+/// with it.
+struct ShmSocket {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl ShmSocket {
+    fn new(tag: &str) -> ShmSocket {
+        let dir = std::env::temp_dir().join(format!("rdmastream-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory for the shm socket");
+        let path = dir.join("rx.sock");
+        ShmSocket { dir, path }
+    }
+
+    fn listen(&self, block: usize) -> Box<dyn Listener> {
+        Box::new(shm::listen(&self.path, region(block)).unwrap())
+    }
+
+    fn connector(&self) -> Box<dyn Connector> {
+        Box::new(ShmConnector::new(&format!("unix:{}", self.path.display())).expect("unix:"))
+    }
+}
+
+impl Drop for ShmSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 fn region(block: usize) -> RegionSettings {
@@ -605,9 +617,7 @@ fn throughput(secs: f64) {
         "tr shm/pl",
         "eng shm/pl"
     );
-    let socket_dir = std::env::temp_dir().join(format!("rdmastream-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&socket_dir).expect("a directory for the shm sockets");
-    let socket = socket_dir.join("rx.sock");
+    let socket = ShmSocket::new("bench");
     let only: Option<usize> = std::env::args()
         .skip_while(|a| a != "--block")
         .nth(1)
@@ -627,12 +637,8 @@ fn throughput(secs: f64) {
         let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
         let addr = l.local_addr();
         let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
-        let shm_connector =
-            || Box::new(ShmConnector::new(&format!("unix:{}", socket.display())).expect("unix:"));
-        let l = shm::listen(&socket, region(block)).unwrap();
-        let engine_shm = engine_rate(block, secs, Box::new(l), shm_connector());
-        let l = shm::listen(&socket, region(block)).unwrap();
-        let transport_shm = transport_rate(block, secs, Box::new(l), shm_connector());
+        let engine_shm = engine_rate(block, secs, socket.listen(block), socket.connector());
+        let transport_shm = transport_rate(block, secs, socket.listen(block), socket.connector());
         let plain = if only_tcp {
             1.0
         } else {
@@ -653,7 +659,6 @@ fn throughput(secs: f64) {
             100.0 * engine_shm / plain
         );
     }
-    let _ = std::fs::remove_dir_all(&socket_dir);
 }
 
 /// Runs a perftest server/client pair on rxe0 and returns the client's result line's columns.
