@@ -701,8 +701,11 @@ mod tests {
         assert_eq!(&v1[4..6], &1u16.to_le_bytes());
         let w = Welcome::decode(&v1).unwrap();
         assert_eq!(w.error, "protocol version 1 is not supported");
-        let mut old_hello = hello().encode();
-        old_hello[4..6].copy_from_slice(&1u16.to_le_bytes());
+        let old_hello = Hello {
+            version: 1,
+            ..hello()
+        }
+        .encode();
         assert_eq!(claimed_version(&old_hello), Some(1));
         assert_eq!(
             Hello::decode(&old_hello),
@@ -719,8 +722,11 @@ mod tests {
         let mut same = Welcome::refusal("protocol version 2 is not supported");
         same.version = 2;
         assert_eq!(v2, same.encode(), "the layout version 2 decodes");
-        let mut old_hello = hello().encode();
-        old_hello[4..6].copy_from_slice(&2u16.to_le_bytes());
+        let old_hello = Hello {
+            version: 2,
+            ..hello()
+        }
+        .encode();
         assert_eq!(claimed_version(&old_hello), Some(2));
         assert_eq!(
             Hello::decode(&old_hello),
@@ -732,15 +738,7 @@ mod tests {
         // ... and never takes a version-2 receiver's acceptance for its own.
         let mut accepted = Welcome {
             version: 2,
-            error: String::new(),
-            blocks: 4,
-            block_size: 4096,
-            status_addr: 0,
-            status_rkey: 0,
-            blocks_addr: 64,
-            blocks_rkey: 0,
-            qp: QpInfo::default(),
-            mac: [0; PROOF_LEN],
+            ..welcome()
         };
         assert_eq!(
             Welcome::decode(&accepted.encode()),
