@@ -333,10 +333,12 @@ pub fn malformed_handshakes(from: &str, addr: &str) -> Vec<String> {
     answers.push(answer_to(from, addr, b"GET / HTTP/1.1\r\n"));
     // Senders of older protocol versions (1: a token, no proofs; 2: no coalesced or
     // header-sealed blocks).
-    for old in [1u16, 2] {
-        let mut h = good.clone();
-        h[4..6].copy_from_slice(&old.to_le_bytes());
-        answers.push(answer_to(from, addr, &h));
+    for version in [1u16, 2] {
+        let old = Hello {
+            version,
+            ..hello("mallory", 1)
+        };
+        answers.push(answer_to(from, addr, &old.encode()));
     }
     answers
 }
