@@ -1135,3 +1135,28 @@ fn a_pool_buffer_held_elsewhere_is_copied_and_keeps_its_place() {
     assert!(tx.push_event(gst::event::Eos::new()));
     caps_until_eos(&mut rx);
 }
+
+/// `poll-spin` and `poll-max` are bounded (0–100000 and 1–100000 µs): a value outside, as from a
+/// gst-launch line, is refused (gstreamer-rs panics on it) and the element keeps its setting;
+/// one inside is taken.
+#[test]
+fn poll_spin_and_poll_max_refuse_values_outside_their_bounds() {
+    init();
+    let e = gst::ElementFactory::make("rdmasrc").build().unwrap();
+    for (name, bad, default) in [
+        ("poll-spin", "100001", 50u32),
+        ("poll-max", "0", 500),
+        ("poll-max", "100001", 500),
+        ("poll-spin", "-1", 50),
+    ] {
+        let set = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            e.set_property_from_str(name, bad)
+        }));
+        assert!(set.is_err(), "{name}={bad} was accepted");
+        assert_eq!(e.property::<u32>(name), default, "{name}={bad} was taken");
+    }
+    e.set_property_from_str("poll-spin", "0");
+    e.set_property_from_str("poll-max", "100000");
+    assert_eq!(e.property::<u32>("poll-spin"), 0);
+    assert_eq!(e.property::<u32>("poll-max"), 100_000);
+}
