@@ -1918,3 +1918,91 @@ fn a_dropped_committed_frame_gives_its_in_place_block_back() {
     s.finish(Duration::from_secs(10)).unwrap();
     receiver.stop();
 }
+
+/// Over shm a lossy device's reservations are blocks of the receiver's memory itself
+/// (`Reservation::is_remote`): the frame is written once, there, and the sender posts only its
+/// status byte. Such frames arrive bit-exact and in order between pushed ones (which take the
+/// ordinary path); an abandoned one is offered again; a lossless device never gets one (the
+/// sender keeps no copy to send again); and the machine counts one status-only chain per frame.
+#[test]
+fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
+    use rdmastream::engine::SourceFrame;
+    const BLOCK: usize = 4096;
+    let cap = rdmastream::proto::payload_capacity(BLOCK);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let listener = rdmastream_verbs::shm::listen(&path, settings(8, BLOCK, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let (sink, receiver) = hoarding(Box::new(listener));
+    let opts = SenderOptions {
+        name: "lent".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: BLOCK,
+        in_place_blocks: 2,
+        ..Default::default()
+    };
+    let connector = rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap();
+    let s = SenderHandle::start(opts, Box::new(connector), 64).unwrap();
+    let input = s.add_device(3, DropPolicy::DropOldest);
+    let lossless = s.add_device(4, DropPolicy::Block);
+    let wait = Duration::from_secs(10);
+    // Once connected, the sending thread offers receiver's blocks.
+    assert!(
+        wait_until(wait, || input
+            .reserve(10, Duration::from_millis(20))
+            .is_ok_and(|r| r.is_remote())),
+        "no block of the receiver's memory was ever offered"
+    );
+    for _ in 0..5 {
+        let r = lossless.reserve(10, wait).unwrap();
+        assert!(!r.is_remote(), "a lossless device got a receiver's block");
+    }
+    lossless.end();
+    let lens = [cap, 1000, 0, 1, cap - 1, 333];
+    let mut want = Vec::new();
+    let mut remote = 0;
+    for index in 0..60u64 {
+        let len = lens[index as usize % lens.len()];
+        let bytes = Rendered::bytes(index as u8, len);
+        if index % 4 == 0 {
+            assert!(input.push(SourceFrame {
+                index,
+                timestamp_ns: 1,
+                duration_ns: 0,
+                pts_ns: Some(index * 10),
+                format: "application/octet-stream".into(),
+                data: bytes.clone().into(),
+            }));
+        } else {
+            if index % 5 == 0 {
+                // Abandoned: offered again, or reservations would run out of blocks.
+                let mut r = input.reserve(len, wait).unwrap();
+                r.payload_mut().fill(0xEE);
+            }
+            let mut r = input.reserve(len, wait).unwrap();
+            remote += usize::from(r.is_remote());
+            r.payload_mut().copy_from_slice(&bytes);
+            assert!(r.commit(meta(index)));
+        }
+        want.push((index, bytes));
+    }
+    input.end();
+    let report = s.finish(Duration::from_secs(20)).unwrap();
+    assert_eq!(report.unsent, 0);
+    assert!(wait_until(wait, || receiver.all_senders_ended()));
+    let got = sink.0.lock().unwrap();
+    assert_eq!(got.len(), want.len());
+    for ((index, data), (want_index, want_bytes)) in got.iter().zip(&want) {
+        assert_eq!(index, want_index);
+        assert_eq!(&data[..], &want_bytes[..], "frame {index}");
+    }
+    drop(got);
+    // Reservations got a receiver's block when one was on offer (otherwise an in-place send
+    // block, as when none is free the moment after a commit), and each such frame cost one
+    // status-only chain instead of a copy.
+    assert!(remote > 0, "no frame went into the receiver's blocks");
+    assert_eq!(report.machine.placed, remote as u64);
+    assert_eq!(report.machine.stale_placed, 0);
+    receiver.stop();
+}

@@ -35,7 +35,7 @@ pub use header::{
 };
 pub use packetizer::{DeviceNumbering, MessageKind, MessageTimes, fragment_range};
 pub use reorder::{DeviceStream, Frame, Limits, Packet, ReorderConfig, ReorderStats, StreamEvent};
-pub use sender::{Action, Completed, Delivery, RemoteLayout, SenderMachine, SenderStats};
+pub use sender::{Action, Completed, Delivery, Lent, RemoteLayout, SenderMachine, SenderStats};
 pub use session::{Connected, Released, SenderSession};
 pub use window::{
     Immediate, ReceiverAction, WindowAction, WindowError, WindowReceiver, WindowSender, WindowStats,

@@ -27,6 +27,18 @@
 //! READ was posted stays 1 in the cache whatever the READ returned, until a later sync. A block
 //! the cache shows as 0 really is free (only the sender turns a 0 into anything else — see
 //! docs/protocol.md), so writes never depend on a READ that has not completed.
+//!
+//! **Lent remote blocks** (transports whose sender can write the receiver's memory directly, i.e.
+//! shm): with [`SenderMachine::set_max_lent`] above zero the machine lends free remote blocks
+//! ([`SenderMachine::lend`]) so a source can write a frame straight into the receiver's block.
+//! A lent block is FULL in the cache from the moment it is lent (no write, and no sync result,
+//! makes it free again) until it is given back unused ([`SenderMachine::handle_returned`]) or
+//! placed ([`SenderMachine::handle_placed`]): then, in fill order with the other blocks, the
+//! machine asks for its status byte alone ([`Action::Status`]). Lending never starves the
+//! queue: the machine lends only while nothing is queued, at most half the remote blocks, and
+//! lent blocks nobody has taken yet can be given back at any time. A connection's lent blocks
+//! are worthless on the next one: a block placed with an old connection's [`Lent`] is reported
+//! undelivered ([`SenderMachine::poll_placed`]), never written anywhere.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -57,6 +69,19 @@ pub enum Action {
     /// Post one RDMA READ of the whole remote status array into the status cache. Completes with
     /// `wr_id`; hand the bytes read to [`SenderMachine::handle_sync_completed`].
     Sync { wr_id: u64 },
+    /// Post a chain of one inline, signaled RDMA WRITE of status byte 1 to remote block
+    /// `remote_block`, whose bytes a source already wrote in place (a lent block, see
+    /// [`SenderMachine::lend`]). Completes with `wr_id` like a write chain.
+    Status { wr_id: u64, remote_block: usize },
+}
+
+/// A remote block lent out to be written in place, on the connection `epoch` (see
+/// [`SenderMachine::lend`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lent {
+    pub remote_block: usize,
+    /// Which connection it belongs to: the machine counts connections.
+    pub epoch: u64,
 }
 
 /// What a completion completes, as the transport reported it: the machine never guesses.
@@ -84,6 +109,12 @@ pub struct SenderStats {
     pub requeued: u64,
     /// Blocks of lossless devices the receiver confirmed (freed after handing them on).
     pub confirmed: u64,
+    /// Remote blocks lent out to be written in place.
+    pub lent: u64,
+    /// Status-only chains posted for lent blocks written in place (also counted in `writes`).
+    pub placed: u64,
+    /// Blocks placed in a lent block of a connection that had dropped: not delivered.
+    pub stale_placed: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -98,6 +129,9 @@ struct Filled {
     message: u64,
     /// The message's last block: the receiver frees it only once the whole message is durable.
     last: bool,
+    /// Written in place into a lent remote block (that block, and the caller's ticket): only
+    /// its status byte is left to post, and `send_block` means nothing.
+    placed: Option<(usize, u64)>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -176,6 +210,14 @@ pub struct SenderMachine {
     backoff: Duration,
     next_wr_id: u64,
     stats: SenderStats,
+    /// Connections so far: a [`Lent`] block is good only on the connection it was lent on.
+    epoch: u64,
+    /// Remote blocks of this connection lent out and not yet given back or posted.
+    lent: Vec<usize>,
+    /// How many remote blocks may be lent out at once (at most half of them).
+    max_lent: usize,
+    /// Placed blocks done with: (ticket, whether its status byte was written).
+    placed_done: VecDeque<(u64, bool)>,
 }
 
 /// Shortest and longest wait between two syncs that found no free block.
@@ -202,12 +244,109 @@ impl SenderMachine {
             backoff: MIN_BACKOFF,
             next_wr_id: 1,
             stats: SenderStats::default(),
+            epoch: 0,
+            lent: Vec::new(),
+            max_lent: 0,
+            placed_done: VecDeque::new(),
         }
+    }
+
+    /// Lets the machine lend up to `n` remote blocks at once to be written in place (zero, the
+    /// default, lends none); never more than half the receiver's blocks.
+    pub fn set_max_lent(&mut self, n: usize) {
+        self.max_lent = n;
+    }
+
+    fn lend_cap(&self) -> usize {
+        self.layout.map_or(0, |l| self.max_lent.min(l.blocks / 2))
+    }
+
+    /// A free remote block for a source to write a block into in place, if one can be lent now:
+    /// a connection is up, the cache is usable (no sync needed or in flight), nothing is queued
+    /// (queued blocks come first), fewer than the limit are lent, and the cache shows a free
+    /// block. The block stays FULL in the cache until it is given back or placed.
+    pub fn lend(&mut self) -> Option<Lent> {
+        let layout = self.layout?;
+        if self.sync != Sync::Idle || !self.queue.is_empty() || self.lent.len() >= self.lend_cap() {
+            return None;
+        }
+        let j = self.find_free_block(layout.blocks)?;
+        self.remote[j] = status::FULL;
+        self.cursor = (j + 1) % layout.blocks;
+        self.lent.push(j);
+        self.stats.lent += 1;
+        Some(Lent {
+            remote_block: j,
+            epoch: self.epoch,
+        })
+    }
+
+    /// A lent block comes back unused: its status byte was never written, so it is free again.
+    /// One of an old connection, or not lent, is ignored.
+    pub fn handle_returned(&mut self, lent: Lent) {
+        if let Some(k) = self.lent_position(lent) {
+            self.lent.swap_remove(k);
+            self.remote[lent.remote_block] = status::EMPTY;
+        }
+    }
+
+    fn lent_position(&self, lent: Lent) -> Option<usize> {
+        (lent.epoch == self.epoch && self.layout.is_some())
+            .then(|| self.lent.iter().position(|&j| j == lent.remote_block))
+            .flatten()
+    }
+
+    /// A source wrote a whole block (header, payload, trailer, seal) into lent block `lent`; its
+    /// status byte goes out in fill order with the other blocks ([`Action::Status`]). `ticket`
+    /// comes back from [`Self::poll_placed`] once that is done, or at once when the block is of
+    /// an older connection (it is not delivered). Only blocks of lossy devices are placed: the
+    /// sender keeps no copy to send again.
+    pub fn handle_placed(&mut self, lent: Lent, ticket: u64) {
+        if self.lent_position(lent).is_none() {
+            self.stats.stale_placed += 1;
+            self.placed_done.push_back((ticket, false));
+            return;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.queue.push_back(Filled {
+            send_block: usize::MAX,
+            len: 0,
+            reliable: false,
+            seq,
+            message: seq,
+            last: true,
+            placed: Some((lent.remote_block, ticket)),
+        });
+    }
+
+    /// A placed block is done with: its ticket, and whether its status byte was written
+    /// (false: its connection dropped first).
+    pub fn poll_placed(&mut self) -> Option<(u64, bool)> {
+        self.placed_done.pop_front()
+    }
+
+    /// The current connection's number (what [`Lent::epoch`] of its blocks says); 0 before the
+    /// first.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Remote blocks lent out now (given out, or placed and waiting for their status byte).
+    pub fn lent_out(&self) -> usize {
+        self.lent.len()
+    }
+
+    /// Whether the cache shows a free remote block.
+    pub fn has_free_block(&self) -> bool {
+        self.remote.contains(&status::EMPTY)
     }
 
     /// A connection is up with a fresh receiver region. The cache is unknown until the first
     /// sync, which is the first action.
     pub fn handle_connected(&mut self, layout: RemoteLayout) {
+        self.epoch += 1;
+        self.lent.clear();
         self.layout = Some(layout);
         self.remote = vec![status::FULL; layout.blocks];
         self.cursor = 0;
@@ -221,10 +360,22 @@ impl SenderMachine {
     /// the next connection.
     pub fn handle_disconnected(&mut self) {
         self.layout = None;
+        self.lent.clear();
+        // Blocks placed in the receiver's memory are gone with it: the sender has no copy.
+        let placed_done = &mut self.placed_done;
+        let mut gone = |f: &Filled| match f.placed {
+            Some((_, ticket)) => {
+                placed_done.push_back((ticket, false));
+                false
+            }
+            None => true,
+        };
+        self.queue.retain(&mut gone);
         let mut again: Vec<Filled> = self
             .in_flight
             .drain(..)
             .map(|f| f.filled)
+            .filter(&mut gone)
             .chain(self.unconfirmed.drain(..).map(|u| u.filled))
             .collect();
         self.stats.requeued += again.len() as u64;
@@ -263,6 +414,7 @@ impl SenderMachine {
             seq,
             message,
             last,
+            placed: None,
         });
     }
 
@@ -283,7 +435,9 @@ impl SenderMachine {
             return false;
         };
         let done = self.in_flight.remove(pos).expect("position is in range");
-        if done.filled.reliable {
+        if let Some((_, ticket)) = done.filled.placed {
+            self.placed_done.push_back((ticket, true));
+        } else if done.filled.reliable {
             self.unconfirmed.push_back(Unconfirmed {
                 filled: done.filled,
                 remote_block: done.remote_block,
@@ -331,7 +485,9 @@ impl SenderMachine {
         });
         let confirmed = (before - self.unconfirmed.len()) as u64;
         self.stats.confirmed += confirmed;
-        for &j in &self.unsure {
+        // Lent blocks are still EMPTY in the receiver's memory (their status byte is not
+        // written yet) but are the sender's: they stay FULL in the cache too.
+        for &j in self.unsure.iter().chain(&self.lent) {
             self.remote[j] = status::FULL;
         }
         self.unsure.clear();
@@ -372,8 +528,34 @@ impl SenderMachine {
             // Nothing to write and nothing in flight: only acknowledgements can free send blocks.
             return self.try_sync(SyncFor::Confirmations);
         }
+        if self.queue.is_empty()
+            && self.in_flight.is_empty()
+            && self.lent.len() < self.lend_cap()
+            && !self.has_free_block()
+        {
+            // Blocks to lend are wanted and the cache shows none free.
+            return self.try_sync(SyncFor::Block);
+        }
         if self.queue.is_empty() || self.in_flight.len() >= self.max_outstanding {
             return None;
+        }
+        if let Some((j, _)) = self.queue.front().and_then(|f| f.placed) {
+            // Written in place already: only its status byte is left (the block stays lent,
+            // so FULL in the cache, until then).
+            let filled = self.queue.pop_front().expect("queue is not empty");
+            self.lent.retain(|&k| k != j);
+            let wr_id = self.take_wr_id();
+            self.in_flight.push_back(InFlight {
+                wr_id,
+                filled,
+                remote_block: j,
+            });
+            self.stats.writes += 1;
+            self.stats.placed += 1;
+            return Some(Action::Status {
+                wr_id,
+                remote_block: j,
+            });
         }
         match self.find_free_block(layout.blocks) {
             Some(j) => {
@@ -472,6 +654,7 @@ impl SenderMachine {
             && self.in_flight.is_empty()
             && self.unconfirmed.is_empty()
             && self.freed.is_empty()
+            && self.placed_done.is_empty()
     }
 
     /// The cached remote status bytes.
@@ -787,5 +970,185 @@ mod tests {
             .collect();
         assert_eq!(sent, vec![1, 2]);
         assert_eq!(m.stats().requeued, 2);
+    }
+
+    fn synced(n: usize, depth: usize, statuses: &[u8]) -> (SenderMachine, Instant) {
+        let (mut m, now) = connected(n, depth);
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        assert!(m.handle_sync_completed(now, wr_id, statuses));
+        (m, now)
+    }
+
+    /// A lent block is the sender's until its status byte is posted: no write picks it, a sync
+    /// that reads it EMPTY (its status byte is not written yet) leaves it FULL in the cache,
+    /// and once placed only its status byte goes out, in fill order with the other blocks.
+    #[test]
+    fn lent_blocks_stay_the_senders_through_syncs_and_get_only_their_status_byte() {
+        let (mut m, now) = synced(4, 4, &[0; 4]);
+        assert_eq!(m.lend(), None, "lends nothing unless allowed");
+        m.set_max_lent(3);
+        let a = m.lend().expect("a free block");
+        let b = m.lend().expect("a second");
+        assert_eq!((a.remote_block, b.remote_block), (0, 1));
+        assert_eq!(m.lend(), None, "at most half the remote blocks");
+        assert_eq!(m.lent_out(), 2);
+        // A sync reads them EMPTY (nothing was posted for them): they stay FULL.
+        m.handle_filled(5, 10, Delivery::Unconfirmed);
+        m.handle_filled(6, 10, Delivery::Unconfirmed);
+        m.handle_filled(7, 10, Delivery::Unconfirmed);
+        let writes: Vec<_> = std::iter::from_fn(|| m.poll_action(now)).collect();
+        let Some(Action::Sync { wr_id }) = writes.last().copied() else {
+            panic!("{writes:?}")
+        };
+        assert!(matches!(
+            writes[..2],
+            [
+                Action::Write {
+                    remote_block: 2,
+                    ..
+                },
+                Action::Write {
+                    remote_block: 3,
+                    ..
+                }
+            ]
+        ));
+        for w in &writes[..2] {
+            let Action::Write { wr_id, .. } = w else {
+                panic!()
+            };
+            m.handle_write_completed(*wr_id);
+        }
+        // That sync overtook the two writes (they stay FULL too); the next one, posted after
+        // they completed, finds their blocks freed by the receiver.
+        m.handle_sync_completed(now, wr_id, &[0, 0, 0, 0]);
+        assert_eq!(m.remote_cache(), &[1, 1, 1, 1], "lent blocks stay FULL");
+        assert_eq!(m.poll_action(now), None, "backs off");
+        let t = m.poll_timeout().expect("backoff");
+        let Some(Action::Sync { wr_id }) = m.poll_action(t) else {
+            panic!()
+        };
+        m.handle_sync_completed(t, wr_id, &[0, 0, 0, 0]);
+        assert_eq!(m.remote_cache(), &[1, 1, 0, 0], "lent blocks stay FULL");
+        // Send block 7 goes to a block the receiver freed, never to a lent one.
+        let Some(Action::Write {
+            wr_id: w7,
+            remote_block,
+            ..
+        }) = m.poll_action(now)
+        else {
+            panic!()
+        };
+        assert!(remote_block >= 2, "wrote lent block {remote_block}");
+        m.handle_write_completed(w7);
+        // Placed: only the status byte is posted; the ticket comes back delivered.
+        m.handle_placed(b, 41);
+        m.handle_placed(a, 40);
+        let Some(Action::Status {
+            wr_id: first,
+            remote_block: 1,
+        }) = m.poll_action(now)
+        else {
+            panic!("not the status byte of block 1 first")
+        };
+        let Some(Action::Status {
+            wr_id: second,
+            remote_block: 0,
+        }) = m.poll_action(now)
+        else {
+            panic!()
+        };
+        assert!(m.handle_write_completed(first));
+        assert!(m.handle_write_completed(second));
+        assert_eq!(m.poll_placed(), Some((41, true)));
+        assert_eq!(m.poll_placed(), Some((40, true)));
+        assert_eq!(m.lent_out(), 0);
+        assert_eq!((m.stats().lent, m.stats().placed), (2, 2));
+        // Not freed as send blocks: they never were any.
+        let freed: Vec<usize> = std::iter::from_fn(|| m.poll_freed()).collect();
+        assert_eq!(freed, vec![5, 6, 7]);
+    }
+
+    /// Queued blocks come first: nothing is lent while one waits; a block given back unused is
+    /// free again at once (its status byte was never written).
+    #[test]
+    fn lending_waits_for_queued_blocks_and_a_returned_block_is_free_again() {
+        let (mut m, now) = synced(2, 4, &[0, 0]);
+        m.set_max_lent(1);
+        m.handle_filled(0, 10, Delivery::Unconfirmed);
+        assert_eq!(m.lend(), None, "a block is queued");
+        let Some(Action::Write { wr_id, .. }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_write_completed(wr_id);
+        let l = m.lend().expect("nothing queued now");
+        assert_eq!(l.remote_block, 1);
+        assert!(!m.has_free_block());
+        m.handle_returned(l);
+        assert!(m.has_free_block());
+        assert_eq!(m.lent_out(), 0);
+        // A block given back twice, or never lent, changes nothing.
+        m.handle_returned(l);
+        assert_eq!(m.lent_out(), 0);
+    }
+
+    /// With every remote block FULL in the cache and lending allowed, the machine syncs (with
+    /// back-off) to find blocks to lend, though nothing is queued.
+    #[test]
+    fn the_machine_syncs_to_find_blocks_to_lend() {
+        let (mut m, now) = synced(4, 4, &[0, 1, 1, 1]);
+        assert_eq!(m.poll_action(now), None, "nothing to do");
+        m.set_max_lent(2);
+        assert_eq!(m.lend().map(|l| l.remote_block), Some(0));
+        assert_eq!(m.lend(), None, "none free in the cache");
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!("no sync for blocks to lend")
+        };
+        m.handle_sync_completed(now, wr_id, &[0, 1, 0, 1]);
+        assert_eq!(m.remote_cache(), &[1, 1, 0, 1], "the lent block stays FULL");
+        assert_eq!(m.lend().map(|l| l.remote_block), Some(2));
+        assert_eq!(
+            m.poll_action(now),
+            None,
+            "the limit is reached: no more syncs"
+        );
+    }
+
+    /// A connection's lent blocks are worthless on the next: one placed after the drop, and one
+    /// placed before it whose status byte was not posted, come back undelivered; the blocks
+    /// queued around them go again.
+    #[test]
+    fn blocks_placed_in_an_old_connections_memory_are_not_delivered() {
+        let (mut m, now) = synced(4, 4, &[0; 4]);
+        m.set_max_lent(2);
+        let a = m.lend().unwrap();
+        let b = m.lend().unwrap();
+        m.handle_placed(a, 1);
+        m.handle_filled(3, 10, Delivery::Unconfirmed);
+        m.handle_disconnected();
+        assert_eq!(m.poll_placed(), Some((1, false)));
+        m.handle_connected(RemoteLayout {
+            blocks: 4,
+            block_size: 64,
+        });
+        m.handle_placed(b, 2);
+        assert_eq!(m.poll_placed(), Some((2, false)));
+        assert_eq!(m.stats().stale_placed, 1);
+        m.handle_returned(b); // ignored: of the old connection
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_sync_completed(now, wr_id, &[0; 4]);
+        let Some(Action::Write {
+            send_block: 3,
+            remote_block: 0,
+            ..
+        }) = m.poll_action(now)
+        else {
+            panic!("the queued block goes again")
+        };
+        assert_eq!(m.poll_action(now), None);
     }
 }

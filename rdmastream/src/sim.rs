@@ -362,6 +362,10 @@ impl Connection for SimConnection {
     fn heartbeat(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Never: the simulator models verbs.
+    fn lend_block(&self, _remote_block: usize) -> Option<Box<dyn crate::transport::LeasedBlock>> {
+        None
+    }
     fn take_notices(&mut self) -> Vec<crate::transport::Notice> {
         Vec::new()
     }

@@ -846,6 +846,13 @@ impl Connection for VerbsConnection {
     fn heartbeat(&mut self) -> Result<()> {
         self.check_side_channel()
     }
+    /// Never: the NIC writes only from registered send blocks.
+    fn lend_block(
+        &self,
+        _remote_block: usize,
+    ) -> Option<Box<dyn rdmastream::transport::LeasedBlock>> {
+        None
+    }
     fn take_notices(&mut self) -> Vec<Notice> {
         self.side_state.take_notices()
     }

@@ -14,7 +14,11 @@
 //!   destination), status bytes go through [`SharedMapping::status`] (`AtomicU8`, which is how
 //!   memory shared with another thread or process is accessed in Rust);
 //! - a slice of the bytes ([`SharedMapping::bytes`]) is an `unsafe fn`: its caller states why
-//!   nobody writes that range while the slice lives.
+//!   nobody writes that range while the slice lives;
+//! - a range lent to one holder to write in place ([`LentRange`], a send-side view of a
+//!   receiver's memory block) is made by an `unsafe fn` whose caller states why no other holder
+//!   in this process touches that range meanwhile, and [`SharedMapping::copy_in`] (a raw copy
+//!   through a shared mapping) likewise.
 
 use std::ffi::c_void;
 use std::io;
@@ -43,8 +47,9 @@ pub struct SharedMapping {
 // moving it to another thread moves that ownership.
 unsafe impl Send for SharedMapping {}
 // SAFETY: through `&SharedMapping` there are only bounds-checked copies *out*, atomic views of
-// single bytes, and `unsafe fn bytes` (whose caller promises no writer); copies *in* take
-// `&mut self`. So threads sharing a `&SharedMapping` cannot race on its bytes among themselves.
+// single bytes, and the `unsafe fn`s `bytes`, `copy_in` and `LentRange::new` (whose callers
+// promise no other writer or view of the range); safe copies *in* take `&mut self`. So threads
+// sharing a `&SharedMapping` cannot race on its bytes among themselves.
 unsafe impl Sync for SharedMapping {}
 
 impl SharedMapping {
@@ -142,6 +147,21 @@ impl SharedMapping {
         }
     }
 
+    /// Like [`Self::write`], through a shared reference (a mapping shared with [`LentRange`]s).
+    /// Panics if the range is outside the mapping.
+    ///
+    /// # Safety
+    /// No other thread of this process may write or view these bytes while this runs (no
+    /// [`LentRange`] covers them, no other `copy_in` or slice does).
+    pub unsafe fn copy_in(&self, offset: usize, src: &[u8]) {
+        self.check(offset, src.len());
+        // SAFETY: as in `write`; the exclusive `&mut self` is replaced by the caller's promise
+        // that nothing else in this process touches the range meanwhile.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
+        }
+    }
+
     /// The byte at `offset` as an atomic (status bytes: loads with acquire, stores with
     /// release). Panics if `offset` is outside the mapping.
     pub fn status(&self, offset: usize) -> &AtomicU8 {
@@ -176,6 +196,47 @@ impl SharedMapping {
             std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), len)
         }
         out
+    }
+}
+
+/// A range of a shared mapping lent to one holder, which may view and write it as ordinary
+/// bytes (a frame rendered straight into a receiver's memory block). Keeps the mapping alive.
+pub struct LentRange {
+    mapping: std::sync::Arc<SharedMapping>,
+    offset: usize,
+    len: usize,
+}
+
+impl LentRange {
+    /// The `len` bytes at `offset` of `mapping`, lent to the returned value. Panics if they are
+    /// outside the mapping.
+    ///
+    /// # Safety
+    /// While the returned value lives, nothing else in this process may write or view these
+    /// bytes, and the process the mapping is shared with must not write them (the protocol
+    /// keeps the receiver away from a block whose status byte is EMPTY).
+    pub unsafe fn new(mapping: std::sync::Arc<SharedMapping>, offset: usize, len: usize) -> Self {
+        mapping.check(offset, len);
+        LentRange {
+            mapping,
+            offset,
+            len,
+        }
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: inside the mapping (checked in `new`), which `self` keeps alive; the range is
+        // this value's alone (the promise made in `new`), and `&self` excludes `bytes_mut`.
+        unsafe { std::slice::from_raw_parts(self.mapping.ptr.as_ptr().add(self.offset), self.len) }
+    }
+
+    /// The bytes, to write.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`; `&mut self` makes this the only view of the range.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.mapping.ptr.as_ptr().add(self.offset), self.len)
+        }
     }
 }
 

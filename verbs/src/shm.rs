@@ -17,9 +17,15 @@
 //! The receiver never writes a block and never posts anything; its polling threads load status
 //! bytes as they do on every transport.
 //!
-//! This module forbids `unsafe` except in one function, [`ShmRegion::block_bytes`], which
+//! A sender may also lend a free block of the receiver's region to a source, which writes a
+//! frame straight into it ([`Connection::lend_block`]; the sending thread then posts only its
+//! status byte): the frame is written once, into the receiver's memory.
+//!
+//! This module forbids `unsafe` except in three functions: [`ShmRegion::block_bytes`], which
 //! views a block the protocol keeps the sender away from (the same argument as the verbs
-//! transport's); the mapping itself is [`crate::shared`].
+//! transport's), and on the sender's side `ShmConnection::copy_block` and
+//! `ShmConnection::lend_block`, which write blocks the protocol gives the sender; the mapping
+//! itself is [`crate::shared`].
 #![deny(unsafe_code)]
 
 use std::os::unix::net::UnixStream;
@@ -30,7 +36,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::shared::{SharedMapping, recv_fd, send_fd};
+use crate::shared::{LentRange, SharedMapping, recv_fd, send_fd};
 use rdmastream::error::{Error, Result, spawn};
 use rdmastream::proto::handshake::{DataPath, Hello, Key, Welcome};
 use rdmastream::proto::{RemoteLayout, status};
@@ -38,8 +44,8 @@ use rdmastream::transport::tcp::{
     Admitted, HANDSHAKE_TIMEOUT, SideChannelListener, client_handshake_on, lost, server_handshake,
 };
 use rdmastream::transport::{
-    Accepted, Completion, Connection, Connector, HeldBytes, Notice, NoticeQueue, Refusal,
-    RefusalKind, Region, RegionSettings, RemoteAddr, RetainedBlock, SendBlocks, Target,
+    Accepted, Completion, Connection, Connector, HeldBytes, LeasedBlock, Notice, NoticeQueue,
+    Refusal, RefusalKind, Region, RegionSettings, RemoteAddr, RetainedBlock, SendBlocks, Target,
     WriteSource, WriteWr,
 };
 
@@ -377,7 +383,7 @@ impl Connector for ShmConnector {
                 blocks: n,
                 block_size: b,
             },
-            mapping,
+            mapping: Arc::new(mapping),
             status_at: status_at.expect("checked"),
             blocks_at: blocks_at.expect("checked"),
             blocks: blocks.clone(),
@@ -393,7 +399,8 @@ impl Connector for ShmConnector {
 pub struct ShmConnection {
     peer: String,
     layout: RemoteLayout,
-    mapping: SharedMapping,
+    /// Shared with the blocks lent out ([`Connection::lend_block`]), which keep it mapped.
+    mapping: Arc<SharedMapping>,
     status_at: usize,
     blocks_at: usize,
     blocks: Arc<SendBlocks>,
@@ -442,6 +449,17 @@ impl ShmConnection {
         Ok(base + offset as usize)
     }
 
+    /// Copies `src` into the region at `at` (inside one memory block: `locate` checked it).
+    #[allow(unsafe_code)]
+    fn copy_block(&self, at: usize, src: &[u8]) {
+        // SAFETY: the sending thread writes a block only when its protocol machine chose it for
+        // a write chain, i.e. the status cache showed it EMPTY, and a lent block is FULL in the
+        // cache from the moment it is lent until its status byte is posted (`SenderMachine::
+        // lend`): so no `LentRange` of this process covers a block copied into here, and the
+        // sending thread is the only thread that copies.
+        unsafe { self.mapping.copy_in(at, src) }
+    }
+
     /// Stores status bytes, each with release ordering: everything this thread wrote into the
     /// region before (the block's bytes) is visible to whoever loads one with acquire.
     fn store_statuses(&self, at: usize, bytes: &[u8]) {
@@ -486,10 +504,9 @@ impl Connection for ShmConnection {
             let at = self.locate(wr.remote, len)?;
             match (wr.remote.target, wr.source) {
                 (Target::Blocks, WriteSource::SendBlock { index, len }) => {
-                    let mapping = &mut self.mapping;
-                    self.blocks.read(index, len, |src| mapping.write(at, src))
+                    self.blocks.read(index, len, |src| self.copy_block(at, src))
                 }
-                (Target::Blocks, WriteSource::Inline(bytes)) => self.mapping.write(at, bytes),
+                (Target::Blocks, WriteSource::Inline(bytes)) => self.copy_block(at, bytes),
                 (Target::Statuses, WriteSource::Inline(bytes)) => self.store_statuses(at, bytes),
                 (Target::Statuses, WriteSource::SendBlock { index, len }) => {
                     self.blocks
@@ -529,5 +546,37 @@ impl Connection for ShmConnection {
     }
     fn take_notices(&mut self) -> Vec<Notice> {
         self.side_state.take_notices()
+    }
+
+    /// The receiver's block `remote_block` itself, mapped here, for a source to write a whole
+    /// block into in place.
+    #[allow(unsafe_code)]
+    fn lend_block(&self, remote_block: usize) -> Option<Box<dyn LeasedBlock>> {
+        let b = self.layout.block_size;
+        if remote_block >= self.layout.blocks {
+            return None;
+        }
+        // SAFETY: the sending thread lends a block its protocol machine lent (`SenderMachine::
+        // lend`): one its cache showed EMPTY, which so is EMPTY in the receiver's memory (only
+        // the sender turns a 0 into anything else), and which stays FULL in the cache, so no
+        // write chain copies into it, until it is given back or its status byte is posted —
+        // after this lease is gone. Each lent block is lent once at a time. The receiver reads a
+        // block only once its status byte is FULL and never writes one; a receiver that breaks
+        // that can only change the bytes it is about to receive (its own memory).
+        let range =
+            unsafe { LentRange::new(self.mapping.clone(), self.blocks_at + remote_block * b, b) };
+        Some(Box::new(LentBlock(range)))
+    }
+}
+
+/// A receiver's memory block lent to a source on the sender (see [`Connection::lend_block`]).
+struct LentBlock(LentRange);
+
+impl LeasedBlock for LentBlock {
+    fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.0.bytes_mut()
     }
 }

@@ -207,6 +207,12 @@ impl Connection for Counted {
     fn work_counts(&self) -> Option<WorkCounts> {
         self.inner.work_counts()
     }
+    fn lend_block(
+        &self,
+        remote_block: usize,
+    ) -> Option<Box<dyn rdmastream::transport::LeasedBlock>> {
+        self.inner.lend_block(remote_block)
+    }
 }
 
 /// The status-byte mechanism between a connector and a listener.

@@ -107,6 +107,20 @@ fn post_action(conn: &mut dyn Connection, action: Action, block_size: usize) -> 
             ];
             conn.post_write_chain(wr_id, &chain)
         }
+        Action::Status {
+            wr_id,
+            remote_block,
+        } => conn.post_write_chain(
+            wr_id,
+            &[WriteWr {
+                source: WriteSource::Inline(&[status::FULL]),
+                remote: RemoteAddr {
+                    target: Target::Statuses,
+                    offset: remote_block as u64,
+                },
+                signaled: true,
+            }],
+        ),
         Action::Sync { wr_id } => {
             let n = conn.layout().blocks;
             conn.post_read(

@@ -21,7 +21,7 @@ use crate::error::{Error, Result, spawn};
 use crate::proto::coalesce::{self, Batch, Coalescer};
 use crate::proto::handshake::{DataPath, Hello, Key, NONCE_LEN, PROTOCOL_VERSION, QpInfo};
 use crate::proto::{
-    Added, Delivery, FillingMachine, HEADER_LEN, Message, MessageKind, MessageTimes, NO_PTS,
+    Added, Delivery, FillingMachine, HEADER_LEN, Lent, Message, MessageKind, MessageTimes, NO_PTS,
     Placement, SenderMachine, SenderStats, fragment_range,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
@@ -72,6 +72,12 @@ pub struct SenderOptions {
     /// get to it (docs/protocol.md, "Frames written in place"). Zero (the default): `reserve`
     /// answers [`NotReserved::Unavailable`]. Must leave at least one block for the filling
     /// thread.
+    ///
+    /// Over a transport that maps the receiver's memory (shm) the sending thread also lends up
+    /// to as many of the receiver's free blocks (at most half of them) to reservations of lossy
+    /// devices, which then take those first: the frame is written straight into the
+    /// receiver's block and only its status byte is posted (docs/protocol.md, "Frames written
+    /// into the receiver's memory").
     pub in_place_blocks: usize,
 }
 
@@ -101,11 +107,53 @@ enum Msg {
 }
 
 /// A committed reservation on its way to the filling thread: send block `block` (one of the
-/// in-place blocks) holds the frame's `len` payload bytes after the header room.
+/// in-place blocks), or the lent receiver's block in `lent`, holds the frame's `len` payload
+/// bytes after the header room.
 struct Committed {
     block: usize,
     len: usize,
     meta: FrameMeta,
+    lent: Option<LentBlock>,
+}
+
+/// A receiver's memory block the sending thread lent out (shm): the source writes the payload
+/// into it, the filling thread the header and seal, the sending thread posts its status byte.
+struct LentBlock {
+    lent: Lent,
+    lease: Box<dyn LeasedBlock>,
+}
+
+/// The lent receiver's blocks nobody has taken yet, shared by the sending thread (which offers
+/// and takes back) and the devices' reservations (which take, and give back unused ones).
+#[derive(Clone)]
+struct LentBlocks {
+    tx: Sender<LentBlock>,
+    rx: Receiver<LentBlock>,
+    /// The connection the offered blocks belong to (`Lent::epoch`); 0 while disconnected.
+    epoch: Arc<AtomicU64>,
+}
+
+impl LentBlocks {
+    fn new() -> LentBlocks {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        LentBlocks {
+            tx,
+            rx,
+            epoch: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// A block lent on the current connection, if one is on offer (older ones are dropped:
+    /// their connection is gone).
+    fn take(&self) -> Option<LentBlock> {
+        let epoch = self.epoch.load(Ordering::Acquire);
+        self.rx.try_iter().find(|b| b.lent.epoch == epoch)
+    }
+
+    /// Offers a lent block (again).
+    fn offer(&self, block: LentBlock) {
+        let _ = self.tx.send(block);
+    }
 }
 
 /// Where a send block goes once it is free again: the filling thread's free list, or (for the
@@ -153,13 +201,21 @@ pub struct Reservation {
     block: usize,
     len: usize,
     lease: Option<Box<dyn LeasedBlock>>,
+    /// A receiver's block lent over shm (then `lease` maps it), not one of the send blocks.
+    lent: Option<Lent>,
     input: DeviceInput,
 }
 
 impl Reservation {
-    /// Which send block this is.
+    /// Which send block this is (for a block of the receiver's memory, which remote block).
     pub fn block(&self) -> usize {
         self.block
+    }
+
+    /// True when this is a block of the receiver's memory itself (over shm): the frame is
+    /// written once, straight where the receiver reads it.
+    pub fn is_remote(&self) -> bool {
+        self.lent.is_some()
     }
 
     /// The payload's length in bytes (as reserved).
@@ -188,12 +244,17 @@ impl Reservation {
     /// under the device's queue policy (like [`DeviceInput::push`]). False once the sender has
     /// shut down (the block is then simply let go).
     pub fn commit(mut self, meta: FrameMeta) -> bool {
-        // Let go of the block first: the filling thread locks it to write header and seal.
-        self.lease.take();
+        // Let go of a send block first: the filling thread locks it to write header and seal.
+        // A lent receiver's block goes along with the frame.
+        let lease = self.lease.take();
         let committed = Committed {
             block: self.block,
             len: self.len,
             meta,
+            lent: self
+                .lent
+                .zip(lease)
+                .map(|(lent, lease)| LentBlock { lent, lease }),
         };
         if self.input.stopped.load(Ordering::Acquire) {
             return false; // nothing will be taken any more
@@ -208,9 +269,15 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        if self.lease.take().is_some() {
-            // Abandoned: the block was never handed over, it is free again.
-            let _ = self.input.free_tx.send(self.block);
+        if let Some(lease) = self.lease.take() {
+            // Abandoned: the block was never handed over, it is free again (a lent receiver's
+            // block is offered again; its status byte was never written).
+            match self.lent {
+                Some(lent) => self.input.lent.offer(LentBlock { lent, lease }),
+                None => {
+                    let _ = self.input.free_tx.send(self.block);
+                }
+            }
         }
     }
 }
@@ -237,6 +304,11 @@ pub struct DeviceInput {
     free_tx: Sender<usize>,
     /// How many blocks are set aside for reservations.
     in_place_blocks: usize,
+    /// Receiver's blocks lent out (shm), taken first by reservations of a lossy device.
+    lent: LentBlocks,
+    /// A lossless device: its frames are kept until confirmed, so never written into a lent
+    /// receiver's block (the sender would hold no copy to send again).
+    reliable: bool,
 }
 
 impl DeviceInput {
@@ -287,6 +359,10 @@ impl DeviceInput {
     /// `len` bytes that the caller writes in place ([`Reservation::payload_mut`]) and then
     /// commits, instead of pushing a copy. Waits up to `timeout` for one to come free (zero:
     /// takes one only if one is free now). Only for frames that fit in one block.
+    ///
+    /// Over shm a lossy device's reservation takes one of the receiver's own blocks first, when
+    /// the sending thread has one on offer ([`Reservation::is_remote`]): the frame is then
+    /// written once, into the receiver's memory.
     pub fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved> {
         if self.in_place_blocks == 0 {
             return Err(NotReserved::Unavailable);
@@ -300,28 +376,63 @@ impl DeviceInput {
                 return Err(NotReserved::Stopped);
             }
             // A block free now is taken even with a zero timeout.
+            if let Some(r) = self.take_lent(len) {
+                return Ok(r);
+            }
             if let Ok(block) = self.free_rx.try_recv() {
-                return Ok(Reservation {
-                    block,
-                    len,
-                    lease: Some(self.blocks.lease(block)),
-                    input: self.clone(),
-                });
+                return Ok(self.local(block, len));
             }
             let now = Instant::now();
             if now >= deadline {
                 return Err(NotReserved::TimedOut);
             }
             let wait = (deadline - now).min(Duration::from_millis(50));
-            if let Ok(block) = self.free_rx.recv_timeout(wait) {
-                return Ok(Reservation {
-                    block,
-                    len,
-                    lease: Some(self.blocks.lease(block)),
-                    input: self.clone(),
-                });
+            let mut sel = Select::new();
+            sel.recv(&self.free_rx);
+            if !self.reliable {
+                sel.recv(&self.lent.rx);
+            }
+            match sel.select_timeout(wait) {
+                Ok(op) if op.index() == 0 => {
+                    if let Ok(block) = op.recv(&self.free_rx) {
+                        return Ok(self.local(block, len));
+                    }
+                }
+                Ok(op) => {
+                    if let Ok(b) = op.recv(&self.lent.rx) {
+                        // Offer it again: `take_lent` checks its connection.
+                        self.lent.offer(b);
+                    }
+                }
+                Err(_) => {}
             }
         }
+    }
+
+    /// A reservation of in-place send block `block`.
+    fn local(&self, block: usize, len: usize) -> Reservation {
+        Reservation {
+            block,
+            len,
+            lease: Some(self.blocks.lease(block)),
+            lent: None,
+            input: self.clone(),
+        }
+    }
+
+    /// A reservation of a receiver's block the sending thread has on offer, for a lossy device.
+    fn take_lent(&self, len: usize) -> Option<Reservation> {
+        if self.reliable {
+            return None;
+        }
+        let LentBlock { lent, lease } = self.lent.take()?;
+        Some(Reservation {
+            block: lent.remote_block,
+            len,
+            lease: Some(lease),
+            lent: Some(lent),
+            input: self.clone(),
+        })
     }
 
     /// Drops the oldest queued message to make room (drop-oldest); a committed reservation's
@@ -331,7 +442,12 @@ impl DeviceInput {
             // Only frames are ever queued before End, so this drops a frame.
             Ok(Msg::Frame(_)) => self.counters.dropped(),
             Ok(Msg::Reserved(c)) => {
-                let _ = self.free_tx.send(c.block);
+                match c.lent {
+                    Some(b) => self.lent.offer(b),
+                    None => {
+                        let _ = self.free_tx.send(c.block);
+                    }
+                }
                 self.counters.dropped();
             }
             Ok(Msg::End) | Err(_) => {}
@@ -419,6 +535,15 @@ struct Filled {
 
 enum ToSending {
     Block(Filled),
+    /// A lent receiver's block holds a whole block now (header, payload, seal): post its
+    /// status byte, in order with the blocks around it. `frame_end` as in [`Filled`].
+    Placed {
+        lent: Lent,
+        device: u8,
+        frame_end: Option<(usize, u64)>,
+    },
+    /// A lent receiver's block the filling thread could not use: free again.
+    Returned(Lent),
     /// The frames (device, payload bytes, capture time) of the coalesced block about to come
     /// in this send block, for stats; sent just before its `Block`.
     Frames(usize, Vec<(u8, usize, u64)>),
@@ -466,6 +591,7 @@ pub struct SenderHandle {
     free_rx: Receiver<usize>,
     free_tx: Sender<usize>,
     in_place_blocks: usize,
+    lent: LentBlocks,
 }
 
 impl SenderHandle {
@@ -549,11 +675,14 @@ impl SenderHandle {
         let counters = Arc::new(Registry::default());
         let reserve_blocks = blocks.clone();
         let in_place_blocks = opts.in_place_blocks;
+        let lent = LentBlocks::new();
         let sending = {
             let state = Sending {
                 machine: SenderMachine::new(opts.max_outstanding),
                 meta: vec![None; opts.send_blocks],
                 coalesced: vec![Vec::new(); opts.send_blocks],
+                placed: std::collections::HashMap::new(),
+                next_ticket: 0,
                 free: free_lists,
                 counters: counters.clone(),
             };
@@ -565,6 +694,7 @@ impl SenderHandle {
                 abort: abort.clone(),
                 live: live.clone(),
                 drops,
+                lent: lent.clone(),
             };
             let stopped = abort.clone();
             spawn("sending", move || {
@@ -588,6 +718,7 @@ impl SenderHandle {
             free_rx: reserve_rx,
             free_tx: reserve_tx,
             in_place_blocks,
+            lent,
         })
     }
 
@@ -616,6 +747,8 @@ impl SenderHandle {
             free_rx: self.free_rx.clone(),
             free_tx: self.free_tx.clone(),
             in_place_blocks: self.in_place_blocks,
+            lent: self.lent.clone(),
+            reliable,
         }
     }
 
@@ -912,7 +1045,7 @@ fn filling_loop(
                     )
                 }) && fill(coalescer, plan.frame, device, &f.data, f.timestamp_ns)
             }
-            Msg::Reserved(c) => {
+            Msg::Reserved(mut c) => {
                 let times = MessageTimes {
                     timestamp_ns: c.meta.timestamp_ns,
                     duration_ns: c.meta.duration_ns,
@@ -933,7 +1066,17 @@ fn filling_loop(
                     // Held small messages go first: a reserved frame never shares its block.
                     let held = coalescer.flush();
                     held.is_none_or(|b| write_batch(&blocks, &take_free, &filled, b, lost))
-                        && seal_reserved(&blocks, &filled, &free_lists, plan.frame, &c, placement)
+                        && match c.lent.take() {
+                            Some(lent) => seal_placed(&filled, plan.frame, lent, &c, placement),
+                            None => seal_reserved(
+                                &blocks,
+                                &filled,
+                                &free_lists,
+                                plan.frame,
+                                &c,
+                                placement,
+                            ),
+                        }
                 }
             }
             Msg::End => {
@@ -1000,6 +1143,41 @@ fn seal_reserved(
         .is_ok()
 }
 
+/// Writes header and seal around the payload a source wrote into a lent receiver's block (over
+/// shm: the block is in the receiver's memory) and has the sending thread post its status byte.
+/// False once the sender stops.
+fn seal_placed(
+    filled: &Sender<ToSending>,
+    msg: Option<Message>,
+    mut block: LentBlock,
+    c: &Committed,
+    placement: Placement,
+) -> bool {
+    // `reserve` admits only frames that fit in one block, so the plan is one block.
+    let Some(msg) = msg.filter(|m| m.headers.len() == 1) else {
+        tracing::error!(
+            frame = c.meta.index,
+            len = c.len,
+            "a reserved frame planned as more than one block; dropped"
+        );
+        return filled.send(ToSending::Returned(block.lent)).is_ok();
+    };
+    let h = msg.headers[0].sealed_for(placement);
+    let b = block.lease.bytes_mut();
+    h.write_header_with(b, |_| {});
+    h.seal(b);
+    // The lease goes here, before the status byte is posted.
+    let LentBlock { lent, .. } = block;
+    let frame_end = (msg.kind == MessageKind::Frame).then_some((c.len, c.meta.timestamp_ns));
+    filled
+        .send(ToSending::Placed {
+            lent,
+            device: msg.device,
+            frame_end,
+        })
+        .is_ok()
+}
+
 /// Writes one batch of the coalescer into a free send block (a lone message as a version 1
 /// block, several as a coalesced one) and hands it to the sending thread. False once the sender
 /// stops.
@@ -1046,6 +1224,9 @@ struct Sending {
     meta: Vec<Option<Filled>>,
     /// Frames of the coalesced (or held and then sent alone) message in each send block.
     coalesced: Vec<Vec<(u8, usize, u64)>>,
+    /// Blocks placed in lent receiver's blocks, by the machine's ticket: device and frame end.
+    placed: std::collections::HashMap<u64, (u8, Option<(usize, u64)>)>,
+    next_ticket: u64,
     free: FreeLists,
     counters: Arc<Registry<u8>>,
 }
@@ -1053,6 +1234,17 @@ struct Sending {
 impl Sending {
     fn intake(&mut self, ev: ToSending, done: &mut bool) {
         match ev {
+            ToSending::Placed {
+                lent,
+                device,
+                frame_end,
+            } => {
+                let ticket = self.next_ticket;
+                self.next_ticket += 1;
+                self.placed.insert(ticket, (device, frame_end));
+                self.machine.handle_placed(lent, ticket);
+            }
+            ToSending::Returned(lent) => self.machine.handle_returned(lent),
             ToSending::Block(f) => {
                 self.meta[f.index] = Some(f);
                 let delivery = if f.reliable {
@@ -1070,6 +1262,43 @@ impl Sending {
     fn release_freed(&mut self) {
         while let Some(i) = self.machine.poll_freed() {
             self.release(i);
+        }
+        // Frames written into the receiver's memory: delivered once their status byte is, and
+        // lost (counted as dropped) when their connection went first.
+        while let Some((ticket, delivered)) = self.machine.poll_placed() {
+            let Some((device, frame_end)) = self.placed.remove(&ticket) else {
+                continue;
+            };
+            let counters = self.counters.device(&device);
+            match frame_end {
+                Some((bytes, ts)) if delivered => {
+                    let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
+                    counters.frame(bytes, Some(latency));
+                }
+                Some(_) => counters.dropped(),
+                None => {}
+            }
+        }
+    }
+
+    /// Takes back the lent receiver's blocks nobody has taken, when queued blocks wait for a
+    /// free one (lending never starves the queue); offers free ones to reservations when
+    /// nothing is queued, up to the limit, while the connection can lend.
+    fn lend(&mut self, conn: &dyn Connection, lent: &LentBlocks) {
+        if self.machine.queued() > 0 && !self.machine.has_free_block() {
+            for b in lent.rx.try_iter() {
+                self.machine.handle_returned(b.lent);
+            }
+        }
+        while let Some(l) = self.machine.lend() {
+            match conn.lend_block(l.remote_block) {
+                Some(lease) => lent.offer(LentBlock { lent: l, lease }),
+                None => {
+                    // This transport cannot: lend nothing on this connection.
+                    self.machine.handle_returned(l);
+                    self.machine.set_max_lent(0);
+                }
+            }
         }
     }
 
@@ -1102,6 +1331,8 @@ struct SendingThread {
     live: Arc<parking_lot::Mutex<SenderStats>>,
     /// Connection drops so far (the filling thread resends formats after one).
     drops: Arc<AtomicU64>,
+    /// The receiver's blocks lent out to reservations (shm).
+    lent: LentBlocks,
 }
 
 fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
@@ -1140,7 +1371,8 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                 .iter()
                 .filter(|m| m.is_some_and(|f| f.frame_end.is_some()))
                 .count() as u64
-                + s.coalesced.iter().map(|f| f.len() as u64).sum::<u64>();
+                + s.coalesced.iter().map(|f| f.len() as u64).sum::<u64>()
+                + s.placed.values().filter(|(_, f)| f.is_some()).count() as u64;
             break;
         }
         while let Ok(ev) = t.filled.try_recv() {
@@ -1173,6 +1405,8 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                             layout.block_size
                         );
                         s.machine.handle_connected(layout);
+                        s.machine.set_max_lent(t.opts.in_place_blocks);
+                        t.lent.epoch.store(s.machine.epoch(), Ordering::Release);
                         report.connections += 1;
                         backoff = t.opts.reconnect_min;
                         last_error.clear();
@@ -1223,6 +1457,9 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
             )
         });
         s.release_freed();
+        if turn.is_ok() {
+            s.lend(c.as_ref(), &t.lent);
+        }
         let result = match turn {
             Ok(turn) if !turn.in_flight => {
                 if done && s.machine.is_idle() {
@@ -1262,6 +1499,11 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                 window::add_work(&mut report.work, w);
             }
             s.machine.handle_disconnected();
+            // Blocks lent on this connection are worthless now (reservations holding one
+            // find out when they commit: their frame is counted as dropped).
+            t.lent.epoch.store(0, Ordering::Release);
+            t.lent.rx.try_iter().for_each(drop);
+            s.release_freed();
             t.drops.fetch_add(1, Ordering::Release);
             next_attempt = Instant::now() + backoff;
         }

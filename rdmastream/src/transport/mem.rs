@@ -264,6 +264,10 @@ impl Connection for MemConnection {
     fn heartbeat(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Never: the copy is what this transport measures.
+    fn lend_block(&self, _remote_block: usize) -> Option<Box<dyn super::LeasedBlock>> {
+        None
+    }
     fn take_notices(&mut self) -> Vec<super::Notice> {
         self.region.take_notices()
     }

@@ -138,6 +138,14 @@ pub trait Connection: Send {
     fn work_counts(&self) -> Option<WorkCounts> {
         None
     }
+    /// The receiver's memory block `remote_block` itself, for a source on the sender to write a
+    /// whole block into in place, when this transport can (shm maps the receiver's region;
+    /// `None` on every other). Only for a block the [`crate::proto::SenderMachine`] lent
+    /// ([`crate::proto::SenderMachine::lend`]): the sending thread then posts its status byte
+    /// alone ([`crate::proto::Action::Status`]). No default, for the same reason as
+    /// [`Connection::heartbeat`]: a wrapper that dropped it would silently turn writing in place
+    /// into the receiver's memory off.
+    fn lend_block(&self, remote_block: usize) -> Option<Box<dyn LeasedBlock>>;
 }
 
 /// What a receiver tells a connected sender about one of its devices without ending the shared

@@ -211,6 +211,9 @@ impl Connection for ObservedConnection {
     fn work_counts(&self) -> Option<WorkCounts> {
         self.inner.work_counts()
     }
+    fn lend_block(&self, remote_block: usize) -> Option<Box<dyn crate::transport::LeasedBlock>> {
+        self.inner.lend_block(remote_block)
+    }
 }
 
 impl Drop for ObservedConnection {

@@ -1080,6 +1080,10 @@ impl Connection for TcpConnection {
         }
         Ok(())
     }
+    /// Never: the receiver's memory is in another process.
+    fn lend_block(&self, _remote_block: usize) -> Option<Box<dyn super::LeasedBlock>> {
+        None
+    }
     fn take_notices(&mut self) -> Vec<Notice> {
         self.notices.take()
     }

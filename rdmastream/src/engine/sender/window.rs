@@ -158,6 +158,8 @@ pub(super) fn window_sending_thread(t: SendingThread, mut s: Sending) -> Result<
                 }
                 // Not produced: the baseline runs without coalescing (see `SenderHandle::start`).
                 ToSending::Frames(i, frames) => s.coalesced[i] = frames,
+                // Not produced: the baseline lends no receiver's blocks (nothing is offered).
+                ToSending::Placed { .. } | ToSending::Returned(_) => {}
                 ToSending::Done => *done = true,
             }
         };
