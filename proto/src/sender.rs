@@ -262,12 +262,18 @@ impl SenderMachine {
     }
 
     /// A free remote block for a source to write a block into in place, if one can be lent now:
-    /// a connection is up, the cache is usable (no sync needed or in flight), nothing is queued
-    /// (queued blocks come first), fewer than the limit are lent, and the cache shows a free
-    /// block. The block stays FULL in the cache until it is given back or placed.
+    /// a connection is up, the cache is usable (no sync needed or in flight), fewer than the
+    /// limit are lent, and the cache shows more free blocks than the queued blocks need (they
+    /// come first). The block stays FULL in the cache until it is given back or placed.
     pub fn lend(&mut self) -> Option<Lent> {
         let layout = self.layout?;
-        if self.sync != Sync::Idle || !self.queue.is_empty() || self.lent.len() >= self.lend_cap() {
+        if self.sync != Sync::Idle || self.lent.len() >= self.lend_cap() {
+            return None;
+        }
+        // Queued blocks come first: lend only a block none of them needs.
+        let needed = self.queue.iter().filter(|f| f.placed.is_none()).count();
+        let free = self.remote.iter().filter(|&&b| b == status::EMPTY).count();
+        if free <= needed {
             return None;
         }
         let j = self.find_free_block(layout.blocks)?;
@@ -1071,20 +1077,31 @@ mod tests {
         assert_eq!(freed, vec![5, 6, 7]);
     }
 
-    /// Queued blocks come first: nothing is lent while one waits; a block given back unused is
-    /// free again at once (its status byte was never written).
+    /// Queued blocks come first: nothing is lent that one of them needs; a block given back
+    /// unused is free again at once (its status byte was never written).
     #[test]
     fn lending_waits_for_queued_blocks_and_a_returned_block_is_free_again() {
         let (mut m, now) = synced(2, 4, &[0, 0]);
         m.set_max_lent(1);
         m.handle_filled(0, 10, Delivery::Unconfirmed);
-        assert_eq!(m.lend(), None, "a block is queued");
+        m.handle_filled(1, 10, Delivery::Unconfirmed);
+        assert_eq!(m.lend(), None, "two queued blocks need both free blocks");
         let Some(Action::Write { wr_id, .. }) = m.poll_action(now) else {
             panic!()
         };
         m.handle_write_completed(wr_id);
+        assert_eq!(m.lend(), None, "one queued block needs the one free block");
+        let Some(Action::Write { wr_id, .. }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_write_completed(wr_id);
+        // The receiver freed block 0 meanwhile.
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_sync_completed(now, wr_id, &[0, 1]);
         let l = m.lend().expect("nothing queued now");
-        assert_eq!(l.remote_block, 1);
+        assert_eq!(l.remote_block, 0);
         assert!(!m.has_free_block());
         m.handle_returned(l);
         assert!(m.has_free_block());

@@ -10,8 +10,10 @@
 //! corrupt the data of chosen writes (the receiver rejects the block and its device's stream
 //! gives the packet up at its reorder timeout); seal blocks as a sender over a transport that
 //! places them whole before their status byte does ([`SimConfig::placement`]: tcp, shm — the
-//! header seal); change formats; and bring a device number back after (or while) its previous
-//! stream ends.
+//! header seal); change formats; bring a device number back after (or while) its previous
+//! stream ends; and write lossy frames in place into remote blocks the sender machine lends
+//! ([`SimConfig::lend`], as over shm), a while after they were lent ([`SimConfig::lend_render`]),
+//! so a connection can drop in between.
 //!
 //! The receiver side ends in a sink that, like the engine's, recognises a frame it already
 //! wrote by its index.
@@ -151,6 +153,12 @@ pub struct SimConfig {
     /// The sender's `coalesce_wait_us`: how long a small lossy message may wait to share a
     /// block with others (zero: coalescing off).
     pub coalesce_wait: Duration,
+    /// Remote blocks the sender machine may lend at once for frames written in place, as over
+    /// shm ([`SenderMachine::set_max_lent`]); zero: none. A lossy frame ready while one can be
+    /// lent is written straight into the remote block `lend_render` later, then only its status
+    /// byte is posted.
+    pub lend: usize,
+    pub lend_render: Duration,
 }
 
 impl Default for SimConfig {
@@ -179,6 +187,8 @@ impl Default for SimConfig {
             placement: Placement::Unordered,
             reorder: ReorderConfig::default(),
             coalesce_wait: Duration::ZERO,
+            lend: 0,
+            lend_render: Duration::from_micros(2),
         }
     }
 }
@@ -217,6 +227,10 @@ pub struct SimReport {
     /// with the head), and ACKs the sender received.
     pub window_full: u64,
     pub acks: u64,
+    /// Frames written in place into lent remote blocks whose status byte was posted, and those
+    /// written into a block of a connection that had dropped (never delivered).
+    pub in_place: u64,
+    pub stale_in_place: u64,
 }
 
 /// The reference payload of frame `f` of device `d`.
@@ -230,11 +244,19 @@ pub fn payload(d: u8, f: u64, len: usize) -> Vec<u8> {
 enum Ev {
     Start(usize),
     Source(usize),
+    /// A write chain reaches the receiver's memory: the block's bytes (none for a status byte
+    /// alone: the bytes were written in place already), then its status byte.
     Placed {
         conn: u64,
         block: usize,
-        bytes: Vec<u8>,
+        bytes: Option<Vec<u8>>,
         status: u8,
+    },
+    /// A frame written in place into lent remote block `lent` of region `region` is complete.
+    Rendered {
+        lent: crate::proto::Lent,
+        region: u64,
+        bytes: Vec<u8>,
     },
     /// Sliding window: a WRITE WITH IMMEDIATE is placed; its receive completion is queued.
     PlacedImm {
@@ -301,7 +323,7 @@ enum Posted {
     Write {
         wr_id: u64,
         block: usize,
-        bytes: Vec<u8>,
+        bytes: Option<Vec<u8>>,
         status: u8,
     },
     Read {
@@ -326,14 +348,19 @@ impl Connection for SimConnection {
         self.layout
     }
     fn post_write_chain(&mut self, wr_id: u64, chain: &[WriteWr<'_>]) -> Result<()> {
-        let (mut block, mut bytes, mut status_byte) = (0, Vec::new(), status::EMPTY);
+        let (mut block, mut bytes, mut status_byte) = (0, None, status::EMPTY);
         for wr in chain {
             match (wr.source, wr.remote.target) {
                 (WriteSource::SendBlock { index, len }, Target::Blocks) => {
                     block = wr.remote.offset as usize / self.layout.block_size;
-                    bytes = self.blocks.read(index, len, |b| b.to_vec());
+                    bytes = Some(self.blocks.read(index, len, |b| b.to_vec()));
                 }
-                (WriteSource::Inline(b), Target::Statuses) => status_byte = b[0],
+                (WriteSource::Inline(b), Target::Statuses) => {
+                    if bytes.is_none() {
+                        block = wr.remote.offset as usize;
+                    }
+                    status_byte = b[0]
+                }
                 other => panic!("the sender posted an unexpected write: {other:?}"),
             }
         }
@@ -454,6 +481,7 @@ impl Pair {
         let blocks = SendBlocks::new(cfg.send_blocks, cfg.block_size);
         let mut machine = SenderMachine::new(cfg.max_outstanding);
         machine.handle_connected(layout);
+        machine.set_max_lent(cfg.lend);
         let n = cfg.devices.len();
         let window = (cfg.mechanism == SimMechanism::SlidingWindow).then(|| {
             assert!(
@@ -660,10 +688,37 @@ impl Pair {
                         "at {now:?}: sender wrote block {block} while its status byte was {}",
                         self.statuses[block]
                     );
-                    self.remote[block] = bytes;
+                    match bytes {
+                        Some(bytes) => self.remote[block] = bytes,
+                        None => assert!(
+                            !self.remote[block].is_empty(),
+                            "at {now:?}: status byte of block {block} posted before its frame was written in place"
+                        ),
+                    }
                     self.statuses[block] = byte;
                     self.report.placed.push((now, block));
                 }
+            }
+            Ev::Rendered {
+                lent,
+                region,
+                bytes,
+            } => {
+                let j = lent.remote_block;
+                if region == self.region_id {
+                    // The safety property again: a source writes a lent block only while the
+                    // receiver's status byte says it is free.
+                    assert_eq!(
+                        self.statuses[j],
+                        status::EMPTY,
+                        "at {now:?}: a source wrote lent block {j} while its status byte was {}",
+                        self.statuses[j]
+                    );
+                    self.remote[j] = bytes;
+                    self.report.placed.push((now, j));
+                }
+                let ticket = self.report.placed.len() as u64;
+                self.machine.handle_placed(lent, ticket);
             }
             Ev::PlacedImm { block, bytes, imm } => {
                 let w = self.window.as_mut().expect("sliding window");
@@ -1005,6 +1060,7 @@ impl Pair {
         let session = self.session.session();
         self.session.handle_connected(session, Budget::unlimited());
         self.machine.handle_connected(self.conn.layout);
+        self.machine.set_max_lent(self.cfg.lend);
     }
 
     /// The filling thread: plans messages from the sources (round-robin over streaming
@@ -1048,6 +1104,9 @@ impl Pair {
                 self.ready.extend(batches);
                 continue;
             }
+            if self.lend_next() {
+                continue;
+            }
             let Some(b) = self.free.front().copied() else {
                 return;
             };
@@ -1072,6 +1131,39 @@ impl Pair {
                 None => self.machine.handle_filled(b, used, delivery),
             }
         }
+    }
+
+    /// As a source writing a frame in place over shm: the next ready block, when it is one
+    /// lossy frame alone and the machine lends a remote block now, is written straight into
+    /// that block `lend_render` later ([`Ev::Rendered`]). True when it took the block.
+    fn lend_next(&mut self) -> bool {
+        if self.cfg.lend == 0 || self.window.is_some() {
+            return false;
+        }
+        let Some([(h, part)]) = self.ready.front().map(|b| &b[..]) else {
+            return false;
+        };
+        if part.delivery != Delivery::Unconfirmed || h.is_format() || h.is_end_of_stream() {
+            return false;
+        }
+        let Some(lent) = self.machine.lend() else {
+            return false;
+        };
+        let mut batch = self.ready.pop_front().expect("not empty");
+        batch[0].0 = batch[0].0.sealed_for(self.cfg.placement);
+        let mut bytes = vec![0; self.cfg.block_size];
+        let used = coalesce::encode_batch(&batch, &mut bytes);
+        bytes.truncate(used);
+        let region = self.region_id;
+        self.push(
+            self.now + self.cfg.lend_render,
+            Ev::Rendered {
+                lent,
+                region,
+                bytes,
+            },
+        );
+        true
     }
 
     /// Plans the next message of the next source that has one. False when none has.
@@ -1142,7 +1234,9 @@ impl Pair {
                     status,
                 } => {
                     if self.cfg.corrupt_writes.contains(&self.writes_posted)
-                        && let Some(b) = bytes.get_mut(self.cfg.corrupt_offset)
+                        && let Some(b) = bytes
+                            .as_mut()
+                            .and_then(|b| b.get_mut(self.cfg.corrupt_offset))
                     {
                         *b ^= 0xff;
                     }
@@ -1177,6 +1271,13 @@ impl Pair {
         while let Some(b) = self.machine.poll_freed() {
             self.free.push_back(b);
             freed = true;
+        }
+        while let Some((_, delivered)) = self.machine.poll_placed() {
+            if delivered {
+                self.report.in_place += 1;
+            } else {
+                self.report.stale_in_place += 1;
+            }
         }
         if let Some(t) = self.machine.poll_timeout() {
             let due = now + t.saturating_duration_since(t0 + now);
