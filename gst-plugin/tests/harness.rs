@@ -1076,6 +1076,9 @@ fn buffers_of_the_proposed_pool_are_sent_in_place_and_others_copied() {
     let st = stats(&tx.element().unwrap());
     assert_eq!(st.get::<u64>("frames-in-place").unwrap(), 5);
     assert_eq!(st.get::<u64>("frames-copied").unwrap(), 1);
+    // Over tcp and mem the pool's blocks are send blocks, never the receiver's memory (over
+    // shm they are: pipelines.rs).
+    assert_eq!(st.get::<u64>("frames-in-receiver-memory").unwrap(), 0);
     // A buffer acquired and never pushed gives its block back when let go.
     drop(pool.acquire_buffer(None).unwrap());
     pool.set_active(false).unwrap();

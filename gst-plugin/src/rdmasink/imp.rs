@@ -139,11 +139,24 @@ pub struct RdmaSink {
     state: Mutex<State>,
     /// Set between `unlock` and `unlock_stop`: every wait gives up.
     flushing: AtomicBool,
-    /// Frames rendered in place (buffers of our pool) and copied (any other buffer), since
-    /// start; and the path of the last frame (0 none, 1 in place, 2 copied), to log changes.
+    /// Frames rendered in place (buffers of our pool), those of them rendered straight into
+    /// the receiver's memory (shm), and frames copied (any other buffer), since start; and the
+    /// path of the last frame (0 none, then [`Path`]), to log changes.
     in_place: AtomicU64,
+    in_receiver: AtomicU64,
     copied: AtomicU64,
     last_path: AtomicU8,
+}
+
+/// Which way a frame went (see [`RdmaSink::count_path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// Upstream wrote it into one of the sender's send blocks.
+    SendBlock = 1,
+    /// Upstream wrote it into a block of the receiver's memory (shm).
+    Receiver = 3,
+    /// Copied from a buffer that is not one of this element's blocks.
+    Copied = 2,
 }
 
 #[glib::object_subclass]
@@ -397,35 +410,44 @@ impl RdmaSink {
             pts_ns,
             format: caps.clone(),
         };
-        if !pool
+        let Some(remote) = pool
             .outstanding()
             .mark(map.as_ptr() as usize, map.len(), meta)
-        {
+        else {
             return Ok(false);
-        }
+        };
         s.next_index += 1;
         lease.count_pushed();
         drop(state);
-        self.count_path(true);
+        self.count_path(if remote {
+            Path::Receiver
+        } else {
+            Path::SendBlock
+        });
         Ok(true)
     }
 
     /// Counts a frame's path, and says so in the debug log when it changes.
-    fn count_path(&self, in_place: bool) {
-        let (counter, path, text) = if in_place {
-            (
+    fn count_path(&self, path: Path) {
+        let (counter, text) = match path {
+            Path::SendBlock => (
                 &self.in_place,
-                1,
                 "in place: upstream wrote the frame into a send block",
-            )
-        } else {
-            (
+            ),
+            Path::Receiver => (
+                &self.in_receiver,
+                "in place: upstream wrote the frame straight into the receiver's memory (shm)",
+            ),
+            Path::Copied => (
                 &self.copied,
-                2,
                 "copied: the buffer is not one of this element's send blocks",
-            )
+            ),
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        if path == Path::Receiver {
+            self.in_place.fetch_add(1, Ordering::Relaxed);
+        }
+        let path = path as u8;
         if self.last_path.swap(path, Ordering::Relaxed) != path {
             gst::info!(CAT, imp = self, "frames sent {text}");
         }
@@ -590,7 +612,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
                     .nick("Statistics")
-                    .blurb("frames-written, bytes-written, frames-dropped, in-flight, connected, connections, sender-name")
+                    .blurb("frames-written, bytes-written, frames-dropped, in-flight, frames-in-place, frames-in-receiver-memory, frames-copied, connected, connections, sender-name")
                     .read_only()
                     .build(),
             ]
@@ -665,6 +687,10 @@ impl ObjectImpl for RdmaSink {
                         .field("frames-dropped", dropped)
                         .field("in-flight", st.lease.in_flight())
                         .field("frames-in-place", self.in_place.load(Ordering::Relaxed))
+                        .field(
+                            "frames-in-receiver-memory",
+                            self.in_receiver.load(Ordering::Relaxed),
+                        )
                         .field("frames-copied", self.copied.load(Ordering::Relaxed))
                         .field("connected", link.connected)
                         .field("connections", link.connections)
@@ -830,6 +856,7 @@ impl BaseSinkImpl for RdmaSink {
             pool: None,
         });
         self.in_place.store(0, Ordering::Relaxed);
+        self.in_receiver.store(0, Ordering::Relaxed);
         self.copied.store(0, Ordering::Relaxed);
         self.last_path.store(0, Ordering::Relaxed);
         Ok(())
@@ -915,7 +942,7 @@ impl BaseSinkImpl for RdmaSink {
         if !lease.push(frame) {
             return Err(gst::FlowError::Flushing);
         }
-        self.count_path(false);
+        self.count_path(Path::Copied);
         self.after_push(&lease, buffer)
     }
 

@@ -32,28 +32,28 @@ enum SlotState {
 }
 
 /// The pooled memories not yet let go, by the address of their payload (how `render`
-/// recognises a buffer of this pool without any unsafe meta or qdata).
+/// recognises a buffer of this pool without any unsafe meta or qdata): their length, whether
+/// they are the receiver's memory itself (shm), and their slot.
 #[derive(Default)]
-pub struct Outstanding(Mutex<HashMap<usize, (usize, Slot)>>);
+pub struct Outstanding(Mutex<HashMap<usize, (usize, bool, Slot)>>);
 
 /// What `render` decided about one pooled memory, shared with the memory itself.
 type Slot = Arc<Mutex<SlotState>>;
 
 impl Outstanding {
     /// Marks the pooled memory at `addr` of `len` bytes to be sent with `meta` once let go.
-    /// False when it is not one of ours (or was rendered already): the caller copies.
-    pub fn mark(&self, addr: usize, len: usize, meta: FrameMeta) -> bool {
-        let Some((reserved, slot)) = self.0.lock().unwrap().get(&addr).cloned() else {
-            return false;
-        };
+    /// `None` when it is not one of ours (or was rendered already): the caller copies;
+    /// otherwise whether it is a block of the receiver's memory itself.
+    pub fn mark(&self, addr: usize, len: usize, meta: FrameMeta) -> Option<bool> {
+        let (reserved, remote, slot) = self.0.lock().unwrap().get(&addr).cloned()?;
         let mut state = slot.lock().unwrap();
         match &*state {
             // A buffer resized after it was acquired is copied: the block holds `reserved`.
             SlotState::Open if len == reserved => {
                 *state = SlotState::Commit(meta);
-                true
+                Some(remote)
             }
-            _ => false,
+            _ => None,
         }
     }
 }
@@ -129,7 +129,7 @@ impl BufferPoolImpl for BlockPoolImp {
                         .0
                         .lock()
                         .unwrap()
-                        .insert(addr, (r.len(), slot.clone()));
+                        .insert(addr, (r.len(), r.is_remote(), slot.clone()));
                     let memory = gst::Memory::from_mut_slice(BlockMemory {
                         reservation: Some(r),
                         slot,

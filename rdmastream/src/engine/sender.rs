@@ -73,9 +73,9 @@ pub struct SenderOptions {
     /// answers [`NotReserved::Unavailable`]. Must leave at least one block for the filling
     /// thread.
     ///
-    /// Over a transport that maps the receiver's memory (shm) the sending thread also lends up
-    /// to as many of the receiver's free blocks (at most half of them) to reservations of lossy
-    /// devices, which then take those first: the frame is written straight into the
+    /// When it is not zero, and the transport maps the receiver's memory (shm), the sending
+    /// thread also lends up to half of the receiver's blocks, while free, to reservations of
+    /// lossy devices, which take those first: the frame is written straight into the
     /// receiver's block and only its status byte is posted (docs/protocol.md, "Frames written
     /// into the receiver's memory").
     pub in_place_blocks: usize,
@@ -1405,7 +1405,13 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                             layout.block_size
                         );
                         s.machine.handle_connected(layout);
-                        s.machine.set_max_lent(t.opts.in_place_blocks);
+                        // Lent blocks cost the sender no memory: when sources write in
+                        // place at all, up to half the receiver's blocks (the machine's limit).
+                        s.machine.set_max_lent(if t.opts.in_place_blocks > 0 {
+                            usize::MAX
+                        } else {
+                            0
+                        });
                         t.lent.epoch.store(s.machine.epoch(), Ordering::Release);
                         report.connections += 1;
                         backoff = t.opts.reconnect_min;
