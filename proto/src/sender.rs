@@ -35,8 +35,10 @@
 //! makes it free again) until it is given back unused ([`SenderMachine::handle_returned`]) or
 //! placed ([`SenderMachine::handle_placed`]): then, in fill order with the other blocks, the
 //! machine asks for its status byte alone ([`Action::Status`]). Lending never starves the
-//! queue: the machine lends only while nothing is queued, at most half the remote blocks, and
-//! lent blocks nobody has taken yet can be given back at any time. A connection's lent blocks
+//! queue: the machine lends only blocks the queued ones do not need, at most a quarter of the
+//! remote blocks (the receiver may hold another half for zero-copy hand-offs, so a quarter is
+//! always left to cycle for queued blocks), and lent blocks nobody has taken yet can be given
+//! back at any time. A connection's lent blocks
 //! are worthless on the next one: a block placed with an old connection's [`Lent`] is reported
 //! undelivered ([`SenderMachine::poll_placed`]), never written anywhere.
 
@@ -214,7 +216,7 @@ pub struct SenderMachine {
     epoch: u64,
     /// Remote blocks of this connection lent out and not yet given back or posted.
     lent: Vec<usize>,
-    /// How many remote blocks may be lent out at once (at most half of them).
+    /// How many remote blocks may be lent out at once (at most a quarter of them).
     max_lent: usize,
     /// Placed blocks done with: (ticket, whether its status byte was written).
     placed_done: VecDeque<(u64, bool)>,
@@ -252,13 +254,16 @@ impl SenderMachine {
     }
 
     /// Lets the machine lend up to `n` remote blocks at once to be written in place (zero, the
-    /// default, lends none); never more than half the receiver's blocks.
+    /// default, lends none); never more than a quarter of the receiver's blocks. A lent block
+    /// may be held for a while (by a source, or placed behind a queued block that waits for a
+    /// free one), and the receiver may keep up to half of its blocks for zero-copy hand-offs:
+    /// a quarter then still cycles, so a queued block always gets one eventually.
     pub fn set_max_lent(&mut self, n: usize) {
         self.max_lent = n;
     }
 
     fn lend_cap(&self) -> usize {
-        self.layout.map_or(0, |l| self.max_lent.min(l.blocks / 2))
+        self.layout.map_or(0, |l| self.max_lent.min(l.blocks / 4))
     }
 
     /// A free remote block for a source to write a block into in place, if one can be lent now:
@@ -992,53 +997,54 @@ mod tests {
     /// and once placed only its status byte goes out, in fill order with the other blocks.
     #[test]
     fn lent_blocks_stay_the_senders_through_syncs_and_get_only_their_status_byte() {
-        let (mut m, now) = synced(4, 4, &[0; 4]);
+        let (mut m, now) = synced(8, 8, &[0; 8]);
         assert_eq!(m.lend(), None, "lends nothing unless allowed");
         m.set_max_lent(3);
         let a = m.lend().expect("a free block");
         let b = m.lend().expect("a second");
         assert_eq!((a.remote_block, b.remote_block), (0, 1));
-        assert_eq!(m.lend(), None, "at most half the remote blocks");
+        assert_eq!(m.lend(), None, "at most a quarter of the remote blocks");
         assert_eq!(m.lent_out(), 2);
-        // A sync reads them EMPTY (nothing was posted for them): they stay FULL.
-        m.handle_filled(5, 10, Delivery::Unconfirmed);
-        m.handle_filled(6, 10, Delivery::Unconfirmed);
-        m.handle_filled(7, 10, Delivery::Unconfirmed);
+        // Six writes go to the six other blocks, then a sync (which reads the lent blocks
+        // EMPTY: nothing was posted for them).
+        for i in 5..12 {
+            m.handle_filled(i, 10, Delivery::Unconfirmed);
+        }
         let writes: Vec<_> = std::iter::from_fn(|| m.poll_action(now)).collect();
         let Some(Action::Sync { wr_id }) = writes.last().copied() else {
             panic!("{writes:?}")
         };
-        assert!(matches!(
-            writes[..2],
-            [
+        let targets: Vec<usize> = writes[..writes.len() - 1]
+            .iter()
+            .map(|w| match w {
                 Action::Write {
-                    remote_block: 2,
+                    wr_id,
+                    remote_block,
                     ..
-                },
-                Action::Write {
-                    remote_block: 3,
-                    ..
+                } => {
+                    m.handle_write_completed(*wr_id);
+                    *remote_block
                 }
-            ]
-        ));
-        for w in &writes[..2] {
-            let Action::Write { wr_id, .. } = w else {
-                panic!()
-            };
-            m.handle_write_completed(*wr_id);
-        }
-        // That sync overtook the two writes (they stay FULL too); the next one, posted after
-        // they completed, finds their blocks freed by the receiver.
-        m.handle_sync_completed(now, wr_id, &[0, 0, 0, 0]);
-        assert_eq!(m.remote_cache(), &[1, 1, 1, 1], "lent blocks stay FULL");
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(targets, vec![2, 3, 4, 5, 6, 7], "a lent block was written");
+        // That sync overtook the writes (they stay FULL too); the next one, posted after they
+        // completed, finds their blocks freed by the receiver, and the lent ones still FULL.
+        m.handle_sync_completed(now, wr_id, &[0; 8]);
+        assert_eq!(m.remote_cache(), &[1; 8], "lent blocks stay FULL");
         assert_eq!(m.poll_action(now), None, "backs off");
         let t = m.poll_timeout().expect("backoff");
         let Some(Action::Sync { wr_id }) = m.poll_action(t) else {
             panic!()
         };
-        m.handle_sync_completed(t, wr_id, &[0, 0, 0, 0]);
-        assert_eq!(m.remote_cache(), &[1, 1, 0, 0], "lent blocks stay FULL");
-        // Send block 7 goes to a block the receiver freed, never to a lent one.
+        m.handle_sync_completed(t, wr_id, &[0; 8]);
+        assert_eq!(
+            m.remote_cache(),
+            &[1, 1, 0, 0, 0, 0, 0, 0],
+            "lent blocks stay FULL"
+        );
+        // Send block 11 goes to a block the receiver freed, never to a lent one.
         let Some(Action::Write {
             wr_id: w7,
             remote_block,
@@ -1074,32 +1080,45 @@ mod tests {
         assert_eq!((m.stats().lent, m.stats().placed), (2, 2));
         // Not freed as send blocks: they never were any.
         let freed: Vec<usize> = std::iter::from_fn(|| m.poll_freed()).collect();
-        assert_eq!(freed, vec![5, 6, 7]);
+        assert_eq!(freed, (5..12).collect::<Vec<_>>());
     }
 
     /// Queued blocks come first: nothing is lent that one of them needs; a block given back
     /// unused is free again at once (its status byte was never written).
     #[test]
     fn lending_waits_for_queued_blocks_and_a_returned_block_is_free_again() {
-        let (mut m, now) = synced(2, 4, &[0, 0]);
+        let (mut m, now) = synced(4, 3, &[0; 4]);
         m.set_max_lent(1);
-        m.handle_filled(0, 10, Delivery::Unconfirmed);
-        m.handle_filled(1, 10, Delivery::Unconfirmed);
-        assert_eq!(m.lend(), None, "two queued blocks need both free blocks");
-        let Some(Action::Write { wr_id, .. }) = m.poll_action(now) else {
-            panic!()
-        };
-        m.handle_write_completed(wr_id);
+        for i in 0..4 {
+            m.handle_filled(i, 10, Delivery::Unconfirmed);
+        }
+        assert_eq!(
+            m.lend(),
+            None,
+            "four queued blocks need the four free blocks"
+        );
+        let posted: Vec<u64> = std::iter::from_fn(|| match m.poll_action(now) {
+            Some(Action::Write { wr_id, .. }) => Some(wr_id),
+            None => None,
+            Some(other) => panic!("{other:?}"),
+        })
+        .collect();
+        assert_eq!(posted.len(), 3, "three chains at most are outstanding");
         assert_eq!(m.lend(), None, "one queued block needs the one free block");
+        for id in posted {
+            m.handle_write_completed(id);
+        }
         let Some(Action::Write { wr_id, .. }) = m.poll_action(now) else {
             panic!()
         };
         m.handle_write_completed(wr_id);
-        // The receiver freed block 0 meanwhile.
+        // Nothing queued, nothing free in the cache: a sync for blocks to lend; the receiver
+        // freed block 0 meanwhile.
+        assert_eq!(m.lend(), None);
         let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
             panic!()
         };
-        m.handle_sync_completed(now, wr_id, &[0, 1]);
+        m.handle_sync_completed(now, wr_id, &[0, 1, 1, 1]);
         let l = m.lend().expect("nothing queued now");
         assert_eq!(l.remote_block, 0);
         assert!(!m.has_free_block());
@@ -1115,7 +1134,7 @@ mod tests {
     /// back-off) to find blocks to lend, though nothing is queued.
     #[test]
     fn the_machine_syncs_to_find_blocks_to_lend() {
-        let (mut m, now) = synced(4, 4, &[0, 1, 1, 1]);
+        let (mut m, now) = synced(8, 4, &[0, 1, 1, 1, 1, 1, 1, 1]);
         assert_eq!(m.poll_action(now), None, "nothing to do");
         m.set_max_lent(2);
         assert_eq!(m.lend().map(|l| l.remote_block), Some(0));
@@ -1123,8 +1142,12 @@ mod tests {
         let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
             panic!("no sync for blocks to lend")
         };
-        m.handle_sync_completed(now, wr_id, &[0, 1, 0, 1]);
-        assert_eq!(m.remote_cache(), &[1, 1, 0, 1], "the lent block stays FULL");
+        m.handle_sync_completed(now, wr_id, &[0, 1, 0, 1, 1, 1, 1, 1]);
+        assert_eq!(
+            m.remote_cache(),
+            &[1, 1, 0, 1, 1, 1, 1, 1],
+            "the lent block stays FULL"
+        );
         assert_eq!(m.lend().map(|l| l.remote_block), Some(2));
         assert_eq!(
             m.poll_action(now),
@@ -1138,7 +1161,7 @@ mod tests {
     /// queued around them go again.
     #[test]
     fn blocks_placed_in_an_old_connections_memory_are_not_delivered() {
-        let (mut m, now) = synced(4, 4, &[0; 4]);
+        let (mut m, now) = synced(8, 4, &[0; 8]);
         m.set_max_lent(2);
         let a = m.lend().unwrap();
         let b = m.lend().unwrap();
@@ -1147,7 +1170,7 @@ mod tests {
         m.handle_disconnected();
         assert_eq!(m.poll_placed(), Some((1, false)));
         m.handle_connected(RemoteLayout {
-            blocks: 4,
+            blocks: 8,
             block_size: 64,
         });
         m.handle_placed(b, 2);
@@ -1157,7 +1180,7 @@ mod tests {
         let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
             panic!()
         };
-        m.handle_sync_completed(now, wr_id, &[0; 4]);
+        m.handle_sync_completed(now, wr_id, &[0; 8]);
         let Some(Action::Write {
             send_block: 3,
             remote_block: 0,

@@ -74,7 +74,7 @@ pub struct SenderOptions {
     /// thread.
     ///
     /// When it is not zero, and the transport maps the receiver's memory (shm), the sending
-    /// thread also lends up to half of the receiver's blocks, while free, to reservations of
+    /// thread also lends up to a quarter of the receiver's blocks, while free, to reservations of
     /// lossy devices, which take those first: the frame is written straight into the
     /// receiver's block and only its status byte is posted (docs/protocol.md, "Frames written
     /// into the receiver's memory").
@@ -639,14 +639,16 @@ impl SenderHandle {
         let abort = Arc::new(AtomicBool::new(false));
         let drops = Arc::new(AtomicU64::new(0));
         let live = Arc::new(parking_lot::Mutex::new(SenderStats::default()));
+        let lent = LentBlocks::new();
         let filling = {
-            let (blocks, abort, first_packet, drops, free_lists, in_place) = (
+            let (blocks, abort, first_packet, drops, free_lists, in_place, lent) = (
                 blocks.clone(),
                 abort.clone(),
                 opts.first_packet,
                 drops.clone(),
                 free_lists.clone(),
                 reserve_rx.clone(),
+                lent.clone(),
             );
             // The sliding-window baseline keeps each device on its own connection, so its
             // messages never share a block.
@@ -668,14 +670,13 @@ impl SenderHandle {
                     first_packet,
                     drops,
                     coalesce_wait,
-                    placement,
+                    (placement, lent),
                 )
             })?
         };
         let counters = Arc::new(Registry::default());
         let reserve_blocks = blocks.clone();
         let in_place_blocks = opts.in_place_blocks;
-        let lent = LentBlocks::new();
         let sending = {
             let state = Sending {
                 machine: SenderMachine::new(opts.max_outstanding),
@@ -824,7 +825,7 @@ fn filling_thread(
     first_packet: u16,
     drops: Arc<AtomicU64>,
     coalesce_wait: Duration,
-    placement: Placement,
+    (placement, lent): (Placement, LentBlocks),
 ) -> u64 {
     let mut coalescer = Coalescer::new(blocks.block_size(), coalesce_wait);
     let lost = std::cell::Cell::new(0);
@@ -838,7 +839,7 @@ fn filling_thread(
         drops,
         &mut coalescer,
         &lost,
-        placement,
+        (placement, &lent),
     );
     let held = coalescer.flush().unwrap_or_default();
     lost.get() + frames_in(&held).len() as u64
@@ -855,7 +856,7 @@ fn filling_loop(
     drops: Arc<AtomicU64>,
     coalescer: &mut Coalescer<Vec<u8>>,
     lost: &std::cell::Cell<u64>,
-    placement: Placement,
+    (placement, lent): (Placement, &LentBlocks),
 ) {
     let block_size = blocks.block_size();
     // Lossless messages are kept in this thread's blocks only (the in-place ones are the
@@ -944,18 +945,38 @@ fn filling_loop(
             }
         }
         for (k, h) in msg.headers.into_iter().enumerate() {
-            let Some(i) = take_free() else { return false };
             let range = fragment_range(k, payload.len(), block_size);
             // Over tcp and shm the CRC32C covers the header only: those transports place the
             // whole block before its status byte (coalesced blocks, small, keep the full seal).
             let h = h.sealed_for(placement);
+            let frame_end = (msg.kind == MessageKind::Frame && k + 1 == count)
+                .then_some((payload.len(), timestamp_ns));
+            // Over shm a lossy message's block is written straight into a block of the
+            // receiver's memory when the sending thread has one on offer: one copy, not two
+            // (docs/protocol.md, "Frames written into the receiver's memory").
+            if !msg.reliable
+                && let Some(mut b) = lent.take()
+            {
+                let bytes = b.lease.bytes_mut();
+                h.write_header_with(bytes, |dst| payload.write(range.start, dst));
+                h.seal(bytes);
+                let placed = ToSending::Placed {
+                    lent: b.lent,
+                    device: msg.device,
+                    frame_end,
+                };
+                drop(b);
+                if filled.send(placed).is_err() {
+                    return false;
+                }
+                continue;
+            }
+            let Some(i) = take_free() else { return false };
             let len = blocks.fill(i, |b| {
                 let used = h.write_header_with(b, |dst| payload.write(range.start, dst));
                 h.seal(b);
                 used
             });
-            let frame_end = (msg.kind == MessageKind::Frame && k + 1 == count)
-                .then_some((payload.len(), timestamp_ns));
             if filled
                 .send(ToSending::Block(Filled {
                     index: i,
@@ -1406,7 +1427,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                         );
                         s.machine.handle_connected(layout);
                         // Lent blocks cost the sender no memory: when sources write in
-                        // place at all, up to half the receiver's blocks (the machine's limit).
+                        // place at all, up to a quarter of the receiver's blocks (the machine's limit).
                         s.machine.set_max_lent(if t.opts.in_place_blocks > 0 {
                             usize::MAX
                         } else {
