@@ -238,8 +238,27 @@ fn engine_rate(
         len: payload_capacity(block),
         reliable: true,
         coalesce_wait: Duration::ZERO,
+        lend: false,
     };
     engine_messages(block, lossless, secs, listener, connector) * block as f64
+}
+
+/// [`engine_rate`] for a live (lossy) device whose sender lends receiver's blocks where the
+/// transport can (shm): the filling thread copies each frame once, straight into the receiver's
+/// memory, and the receiver hands each on without a copy.
+fn engine_live_rate(
+    block: usize,
+    secs: f64,
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+) -> f64 {
+    let live = Small {
+        len: payload_capacity(block),
+        reliable: false,
+        coalesce_wait: Duration::ZERO,
+        lend: true,
+    };
+    engine_messages(block, live, secs, listener, connector) * block as f64
 }
 
 /// What the source of [`engine_messages`] pushes.
@@ -250,6 +269,8 @@ struct Small {
     /// Lossless (acknowledged) messages; otherwise live ones, which may be coalesced.
     reliable: bool,
     coalesce_wait: Duration,
+    /// Sets in-place blocks aside, so the sender lends receiver's blocks where it can (shm).
+    lend: bool,
 }
 
 /// Pushes messages of `m.len` bytes into one device as fast as the engine takes them (the
@@ -285,6 +306,7 @@ fn engine_messages(
         block_size: block,
         max_outstanding: 8,
         coalesce_wait: m.coalesce_wait,
+        in_place_blocks: usize::from(m.lend),
         ..Default::default()
     };
     let queue = if m.reliable { 8 } else { 1024 };
@@ -369,6 +391,7 @@ fn small_messages(secs: f64) {
                 len,
                 reliable: false,
                 coalesce_wait,
+                lend: false,
             };
             engine_messages(
                 BLOCK,
@@ -383,6 +406,7 @@ fn small_messages(secs: f64) {
                 len,
                 reliable: false,
                 coalesce_wait,
+                lend: false,
             };
             engine_messages(BLOCK, m, secs, socket.listen(BLOCK), socket.connector())
         };
@@ -601,21 +625,26 @@ fn throughput(secs: f64) {
         "   engine: source -> filling thread (copy + seal) -> sending thread -> transport -> polling (validate + copy out)"
     );
     println!(
+        "   engine shm live: the same for a live (lossy) device over shm: the filling thread copies each frame once, into a receiver's block lent to it; no copy out"
+    );
+    println!(
         "   transport: sending-thread loop over pre-filled blocks -> transport -> polling that frees each block"
     );
     println!(
-        "{:>8} {:>11} {:>11} {:>11} {:>14} {:>14} {:>11} {:>10} {:>10} {:>10} {:>10}",
+        "{:>8} {:>11} {:>11} {:>11} {:>14} {:>14} {:>14} {:>11} {:>10} {:>10} {:>10} {:>10} {:>12}",
         "block",
         "engine mem",
         "engine tcp",
         "engine shm",
+        "eng shm live",
         "transport tcp",
         "transport shm",
         "plain TCP",
         "tr tcp/pl",
         "eng tcp/pl",
         "tr shm/pl",
-        "eng shm/pl"
+        "eng shm/pl",
+        "live shm/pl"
     );
     let socket = ShmSocket::new("bench");
     let only: Option<usize> = std::env::args()
@@ -638,6 +667,7 @@ fn throughput(secs: f64) {
         let addr = l.local_addr();
         let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
         let engine_shm = engine_rate(block, secs, socket.listen(block), socket.connector());
+        let live_shm = engine_live_rate(block, secs, socket.listen(block), socket.connector());
         let transport_shm = transport_rate(block, secs, socket.listen(block), socket.connector());
         let plain = if only_tcp {
             1.0
@@ -645,18 +675,20 @@ fn throughput(secs: f64) {
             plain_tcp_rate(block, secs)
         };
         println!(
-            "{:>8} {:>11.1} {:>11.1} {:>11.1} {:>14.1} {:>14.1} {:>11.1} {:>9.0}% {:>9.0}% {:>9.0}% {:>9.0}%",
+            "{:>8} {:>11.1} {:>11.1} {:>11.1} {:>14.1} {:>14.1} {:>14.1} {:>11.1} {:>9.0}% {:>9.0}% {:>9.0}% {:>9.0}% {:>11.0}%",
             human(block),
             mem / 1e6,
             tcp / 1e6,
             engine_shm / 1e6,
+            live_shm / 1e6,
             transport / 1e6,
             transport_shm / 1e6,
             plain / 1e6,
             100.0 * transport / plain,
             100.0 * tcp / plain,
             100.0 * transport_shm / plain,
-            100.0 * engine_shm / plain
+            100.0 * engine_shm / plain,
+            100.0 * live_shm / plain
         );
     }
 }
