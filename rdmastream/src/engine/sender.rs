@@ -75,9 +75,9 @@ pub struct SenderOptions {
     ///
     /// When it is not zero, and the transport maps the receiver's memory (shm), the sending
     /// thread also lends up to a quarter of the receiver's blocks, while free, to reservations of
-    /// lossy devices, which take those first: the frame is written straight into the
-    /// receiver's block and only its status byte is posted (docs/protocol.md, "Frames written
-    /// into the receiver's memory").
+    /// lossy devices, which take those first, and to the filling thread for lossy messages: the
+    /// frame is written straight into the receiver's block and only its status byte is posted
+    /// (docs/protocol.md, "Frames written into the receiver's memory").
     pub in_place_blocks: usize,
 }
 
@@ -955,18 +955,10 @@ fn filling_loop(
             // receiver's memory when the sending thread has one on offer: one copy, not two
             // (docs/protocol.md, "Frames written into the receiver's memory").
             if !msg.reliable
-                && let Some(mut b) = lent.take()
+                && let Some(b) = lent.take()
             {
-                let bytes = b.lease.bytes_mut();
-                h.write_header_with(bytes, |dst| payload.write(range.start, dst));
-                h.seal(bytes);
-                let placed = ToSending::Placed {
-                    lent: b.lent,
-                    device: msg.device,
-                    frame_end,
-                };
-                drop(b);
-                if filled.send(placed).is_err() {
+                let write = |dst: &mut [u8]| payload.write(range.start, dst);
+                if !place(&filled, b, &h, write, msg.device, frame_end) {
                     return false;
                 }
                 continue;
@@ -1170,7 +1162,7 @@ fn seal_reserved(
 fn seal_placed(
     filled: &Sender<ToSending>,
     msg: Option<Message>,
-    mut block: LentBlock,
+    block: LentBlock,
     c: &Committed,
     placement: Placement,
 ) -> bool {
@@ -1184,16 +1176,31 @@ fn seal_placed(
         return filled.send(ToSending::Returned(block.lent)).is_ok();
     };
     let h = msg.headers[0].sealed_for(placement);
+    let frame_end = (msg.kind == MessageKind::Frame).then_some((c.len, c.meta.timestamp_ns));
+    // The payload is in place already: only the header goes before it.
+    place(filled, block, &h, |_| {}, msg.device, frame_end)
+}
+
+/// Writes header `h`, the payload (`payload` fills the payload area) and the seal into lent
+/// receiver's block `block`, lets go of it, and has the sending thread post its status byte.
+/// False once the sender stops.
+fn place(
+    filled: &Sender<ToSending>,
+    mut block: LentBlock,
+    h: &crate::proto::BlockHeader,
+    payload: impl FnOnce(&mut [u8]),
+    device: u8,
+    frame_end: Option<(usize, u64)>,
+) -> bool {
     let b = block.lease.bytes_mut();
-    h.write_header_with(b, |_| {});
+    h.write_header_with(b, payload);
     h.seal(b);
     // The lease goes here, before the status byte is posted.
     let LentBlock { lent, .. } = block;
-    let frame_end = (msg.kind == MessageKind::Frame).then_some((c.len, c.meta.timestamp_ns));
     filled
         .send(ToSending::Placed {
             lent,
-            device: msg.device,
+            device,
             frame_end,
         })
         .is_ok()
@@ -1303,8 +1310,9 @@ impl Sending {
     }
 
     /// Takes back the lent receiver's blocks nobody has taken, when queued blocks wait for a
-    /// free one (lending never starves the queue); offers free ones to reservations when
-    /// nothing is queued, up to the limit, while the connection can lend.
+    /// free one (lending never starves the queue); offers the free ones the queued blocks do not
+    /// need to reservations and the filling thread, up to the machine's limit, while the
+    /// connection can lend.
     fn lend(&mut self, conn: &dyn Connection, lent: &LentBlocks) {
         if self.machine.queued() > 0 && !self.machine.has_free_block() {
             for b in lent.rx.try_iter() {
@@ -1352,7 +1360,7 @@ struct SendingThread {
     live: Arc<parking_lot::Mutex<SenderStats>>,
     /// Connection drops so far (the filling thread resends formats after one).
     drops: Arc<AtomicU64>,
-    /// The receiver's blocks lent out to reservations (shm).
+    /// The receiver's blocks lent out to reservations and the filling thread (shm).
     lent: LentBlocks,
 }
 
