@@ -2090,3 +2090,81 @@ fn pushed_lossy_frames_over_shm_are_copied_once_into_the_receivers_blocks() {
     );
     receiver.stop();
 }
+
+/// A receiver's block lent to a reservation belongs to its connection: when that receiver goes
+/// away and another takes its place, a frame committed into the old block is counted as dropped
+/// and never delivered anywhere, and the frames after it reach the new receiver.
+#[test]
+fn a_frame_written_into_a_gone_receivers_block_is_dropped_and_the_stream_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let (first_sink, first) = hoarding(Box::new(listener));
+    let opts = SenderOptions {
+        name: "epochs".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: 4096,
+        in_place_blocks: 1,
+        reconnect_min: Duration::from_millis(20),
+        reconnect_max: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let connector = rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap();
+    let s = SenderHandle::start(opts, Box::new(connector), 64).unwrap();
+    let input = s.add_device(1, DropPolicy::DropOldest);
+    let wait = Duration::from_secs(10);
+    let mut old = None;
+    assert!(wait_until(wait, || {
+        old = input
+            .reserve(10, Duration::from_millis(20))
+            .ok()
+            .filter(|r| r.is_remote());
+        old.is_some()
+    }));
+    let mut old = old.expect("a block of the first receiver's memory");
+    old.payload_mut().copy_from_slice(b"old-region");
+    first.stop();
+    // The same path, a new receiver. Live frames pushed until one arrives there: from then on
+    // the sender is on the new connection (earlier ones may have gone to the old region).
+    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
+    let (sink, receiver) = hoarding(Box::new(listener));
+    let mut next = 0u64;
+    assert!(wait_until(wait, || {
+        next += 1;
+        assert!(input.push(octets(next, vec![next as u8; 100])));
+        std::thread::sleep(Duration::from_millis(10));
+        !sink.0.lock().unwrap().is_empty()
+    }));
+    let stale = next + 1;
+    assert!(old.commit(meta(stale)), "the sender is running");
+    for index in stale + 1..stale + 4 {
+        assert!(input.push(octets(index, vec![index as u8; 100])));
+    }
+    input.end();
+    let counters = s.counters().device(&1);
+    let report = s.finish(Duration::from_secs(20)).unwrap();
+    assert!(report.machine.stale_placed >= 1);
+    assert!(counters.drops.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    assert!(wait_until(wait, || receiver.all_senders_ended()));
+    let got: Vec<u64> = sink.0.lock().unwrap().iter().map(|(i, _)| *i).collect();
+    assert!(
+        !got.contains(&stale),
+        "the frame of the old block arrived: {got:?}"
+    );
+    assert!(
+        got.ends_with(&[stale + 1, stale + 2, stale + 3]),
+        "the frames after it did not all arrive: {got:?}"
+    );
+    assert!(
+        !first_sink
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(i, _)| *i == stale),
+        "the frame of the old block reached the old receiver"
+    );
+    receiver.stop();
+}
