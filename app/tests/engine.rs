@@ -1515,7 +1515,7 @@ fn meta(index: u64) -> rdmastream::engine::FrameMeta {
 }
 
 fn run_reserved(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
-    use rdmastream::engine::{NotReserved, SourceFrame};
+    use rdmastream::engine::NotReserved;
     const BLOCK: usize = 4096;
     const BLOCKS: usize = 4;
     const IN_PLACE: usize = 2;
@@ -1559,13 +1559,33 @@ fn run_reserved(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
     sink.0.lock().unwrap().clear();
     other.end();
     drop(held);
+    let (want, _) = reserve_and_push(&input, 30, 3, cap);
+    input.end();
+    assert_eq!(s.finish(Duration::from_secs(20)).unwrap().unsent, 0);
+    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    assert_hoarded(&sink, &want);
+    receiver.stop();
+}
+
+/// Streams `frames` frames of sizes up to `cap` into `input`: every `push_every`-th pushed as
+/// bytes, the others written into reservations and committed, and every fifth of those after a
+/// reservation abandoned (its block must come back, or the sender runs out of blocks). Returns
+/// the frames (index, bytes) in order and how many reservations were of the receiver's memory.
+fn reserve_and_push(
+    input: &rdmastream::engine::DeviceInput,
+    frames: u64,
+    push_every: u64,
+    cap: usize,
+) -> (Vec<(u64, Vec<u8>)>, usize) {
+    let wait = Duration::from_secs(10);
     let lens = [cap, 1000, 0, 1, cap - 1, 333];
     let mut want = Vec::new();
-    for index in 0..30u64 {
+    let mut remote = 0;
+    for index in 0..frames {
         let len = lens[index as usize % lens.len()];
         let bytes = Rendered::bytes(index as u8, len);
-        if index % 3 == 0 {
-            assert!(input.push(SourceFrame {
+        if index % push_every == 0 {
+            assert!(input.push(rdmastream::engine::SourceFrame {
                 index,
                 timestamp_ns: 1,
                 duration_ns: 0,
@@ -1575,28 +1595,28 @@ fn run_reserved(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
             }));
         } else {
             if index % 5 == 0 {
-                // Abandoned: its block must come back, or the sender runs out of blocks.
                 let mut r = input.reserve(len, wait).unwrap();
                 r.payload_mut().fill(0xEE);
             }
             let mut r = input.reserve(len, wait).unwrap();
             assert_eq!(r.payload().len(), len);
+            remote += usize::from(r.is_remote());
             r.payload_mut().copy_from_slice(&bytes);
             assert!(r.commit(meta(index)));
         }
         want.push((index, bytes));
     }
-    input.end();
-    assert_eq!(s.finish(Duration::from_secs(20)).unwrap().unsent, 0);
-    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    (want, remote)
+}
+
+/// The hoard holds exactly `want`, in order and bit-exact.
+fn assert_hoarded(sink: &Hoard, want: &[(u64, Vec<u8>)]) {
     let got = sink.0.lock().unwrap();
     assert_eq!(got.len(), want.len());
-    for ((index, data), (want_index, want_bytes)) in got.iter().zip(&want) {
+    for ((index, data), (want_index, want_bytes)) in got.iter().zip(want) {
         assert_eq!(index, want_index);
         assert_eq!(&data[..], &want_bytes[..], "frame {index}");
     }
-    drop(got);
-    receiver.stop();
 }
 
 /// A reservation still outstanding when its device ends does not hold the sender up: it
@@ -1919,6 +1939,44 @@ fn a_dropped_committed_frame_gives_its_in_place_block_back() {
     receiver.stop();
 }
 
+/// A sender over shm with 4 send blocks of 4096 bytes, `in_place_blocks` of them in place (so it
+/// lends the receiver's blocks), and a receiver hoarding every frame on a fresh socket (`path`,
+/// inside `_dir`) with 8 blocks.
+struct LendingPair {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    sink: Arc<Hoard>,
+    receiver: ReceiverHandle,
+    sender: SenderHandle,
+}
+
+fn lending_over_shm(name: &str, in_place_blocks: usize) -> LendingPair {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let (sink, receiver) = hoarding(Box::new(listener));
+    let opts = SenderOptions {
+        name: name.into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: 4096,
+        in_place_blocks,
+        reconnect_min: Duration::from_millis(20),
+        reconnect_max: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let connector = rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap();
+    let sender = SenderHandle::start(opts, Box::new(connector), 1024).unwrap();
+    LendingPair {
+        _dir: dir,
+        path,
+        sink,
+        receiver,
+        sender,
+    }
+}
+
 /// Over shm a lossy device's reservations are blocks of the receiver's memory itself
 /// (`Reservation::is_remote`): the frame is written once, there, and the sender posts only its
 /// status byte. Such frames arrive bit-exact and in order between pushed ones (which take the
@@ -1926,24 +1984,15 @@ fn a_dropped_committed_frame_gives_its_in_place_block_back() {
 /// sender keeps no copy to send again); and the machine counts one status-only chain per frame.
 #[test]
 fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
-    use rdmastream::engine::SourceFrame;
-    const BLOCK: usize = 4096;
-    let cap = rdmastream::proto::payload_capacity(BLOCK);
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("rx.sock");
-    let listener = rdmastream_verbs::shm::listen(&path, settings(8, BLOCK, vec![])).unwrap();
-    let addr = listener.local_addr();
-    let (sink, receiver) = hoarding(Box::new(listener));
-    let opts = SenderOptions {
-        name: "lent".into(),
-        key: Some(key()),
-        send_blocks: 4,
-        block_size: BLOCK,
-        in_place_blocks: 2,
-        ..Default::default()
-    };
-    let connector = rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap();
-    let s = SenderHandle::start(opts, Box::new(connector), 64).unwrap();
+    let cap = rdmastream::proto::payload_capacity(4096);
+    // `_dir` bound, so the socket's directory lives as long as the test.
+    let LendingPair {
+        _dir,
+        sink,
+        receiver,
+        sender: s,
+        ..
+    } = lending_over_shm("lent", 2);
     let input = s.add_device(3, DropPolicy::DropOldest);
     let lossless = s.add_device(4, DropPolicy::Block);
     let wait = Duration::from_secs(10);
@@ -1959,45 +2008,13 @@ fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
         assert!(!r.is_remote(), "a lossless device got a receiver's block");
     }
     lossless.end();
-    let lens = [cap, 1000, 0, 1, cap - 1, 333];
-    let mut want = Vec::new();
-    let mut remote = 0;
-    for index in 0..60u64 {
-        let len = lens[index as usize % lens.len()];
-        let bytes = Rendered::bytes(index as u8, len);
-        if index % 4 == 0 {
-            assert!(input.push(SourceFrame {
-                index,
-                timestamp_ns: 1,
-                duration_ns: 0,
-                pts_ns: Some(index * 10),
-                format: "application/octet-stream".into(),
-                data: bytes.clone().into(),
-            }));
-        } else {
-            if index % 5 == 0 {
-                // Abandoned: offered again, or reservations would run out of blocks.
-                let mut r = input.reserve(len, wait).unwrap();
-                r.payload_mut().fill(0xEE);
-            }
-            let mut r = input.reserve(len, wait).unwrap();
-            remote += usize::from(r.is_remote());
-            r.payload_mut().copy_from_slice(&bytes);
-            assert!(r.commit(meta(index)));
-        }
-        want.push((index, bytes));
-    }
+    // An abandoned receiver's block is offered again, or reservations would run out of them.
+    let (want, remote) = reserve_and_push(&input, 60, 4, cap);
     input.end();
     let report = s.finish(Duration::from_secs(20)).unwrap();
     assert_eq!(report.unsent, 0);
     assert!(wait_until(wait, || receiver.all_senders_ended()));
-    let got = sink.0.lock().unwrap();
-    assert_eq!(got.len(), want.len());
-    for ((index, data), (want_index, want_bytes)) in got.iter().zip(&want) {
-        assert_eq!(index, want_index);
-        assert_eq!(&data[..], &want_bytes[..], "frame {index}");
-    }
-    drop(got);
+    assert_hoarded(&sink, &want);
     // Reservations got a receiver's block when one was on offer (otherwise an in-place send
     // block, as when none is free the moment after a commit), and each such frame cost one
     // status-only chain instead of a copy; so may pushed frames, which the filling thread then
@@ -2015,23 +2032,15 @@ fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
 /// confirmed). Both arrive bit-exact and in order.
 #[test]
 fn pushed_lossy_frames_over_shm_are_copied_once_into_the_receivers_blocks() {
-    const BLOCK: usize = 4096;
-    let cap = rdmastream::proto::payload_capacity(BLOCK);
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("rx.sock");
-    let listener = rdmastream_verbs::shm::listen(&path, settings(8, BLOCK, vec![])).unwrap();
-    let addr = listener.local_addr();
-    let (sink, receiver) = hoarding(Box::new(listener));
-    let opts = SenderOptions {
-        name: "pushed".into(),
-        key: Some(key()),
-        send_blocks: 4,
-        block_size: BLOCK,
-        in_place_blocks: 1,
-        ..Default::default()
-    };
-    let connector = rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap();
-    let s = SenderHandle::start(opts, Box::new(connector), 1024).unwrap();
+    let cap = rdmastream::proto::payload_capacity(4096);
+    // `_dir` bound, so the socket's directory lives as long as the test.
+    let LendingPair {
+        _dir,
+        sink,
+        receiver,
+        sender: s,
+        ..
+    } = lending_over_shm("pushed", 1);
     let live = s.add_device(1, DropPolicy::DropOldest);
     let lossless = s.add_device(2, DropPolicy::Block);
     // Live frames carry even indices, lossless ones odd, so the hoard tells them apart.
@@ -2096,23 +2105,13 @@ fn pushed_lossy_frames_over_shm_are_copied_once_into_the_receivers_blocks() {
 /// and never delivered anywhere, and the frames after it reach the new receiver.
 #[test]
 fn a_frame_written_into_a_gone_receivers_block_is_dropped_and_the_stream_goes_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("rx.sock");
-    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
-    let addr = listener.local_addr();
-    let (first_sink, first) = hoarding(Box::new(listener));
-    let opts = SenderOptions {
-        name: "epochs".into(),
-        key: Some(key()),
-        send_blocks: 4,
-        block_size: 4096,
-        in_place_blocks: 1,
-        reconnect_min: Duration::from_millis(20),
-        reconnect_max: Duration::from_millis(100),
-        ..Default::default()
-    };
-    let connector = rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap();
-    let s = SenderHandle::start(opts, Box::new(connector), 64).unwrap();
+    let LendingPair {
+        _dir,
+        path,
+        sink: first_sink,
+        receiver: first,
+        sender: s,
+    } = lending_over_shm("epochs", 1);
     let input = s.add_device(1, DropPolicy::DropOldest);
     let wait = Duration::from_secs(10);
     let mut old = None;

@@ -234,13 +234,7 @@ fn engine_rate(
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
-    let lossless = Small {
-        len: payload_capacity(block),
-        reliable: true,
-        coalesce_wait: Duration::ZERO,
-        lend: false,
-    };
-    engine_messages(block, lossless, secs, listener, connector) * block as f64
+    block_rate(block, true, secs, listener, connector)
 }
 
 /// [`engine_rate`] for a live (lossy) device whose sender lends receiver's blocks where the
@@ -252,13 +246,24 @@ fn engine_live_rate(
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
-    let live = Small {
+    block_rate(block, false, secs, listener, connector)
+}
+
+/// Block-filling frames of a lossless device, or of a live one whose sender lends.
+fn block_rate(
+    block: usize,
+    lossless: bool,
+    secs: f64,
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+) -> f64 {
+    let m = Small {
         len: payload_capacity(block),
-        reliable: false,
+        reliable: lossless,
         coalesce_wait: Duration::ZERO,
-        lend: true,
+        lend: !lossless,
     };
-    engine_messages(block, live, secs, listener, connector) * block as f64
+    engine_messages(block, m, secs, listener, connector) * block as f64
 }
 
 /// What the source of [`engine_messages`] pushes.

@@ -553,15 +553,8 @@ impl SenderMachine {
         if let Some((j, _)) = self.queue.front().and_then(|f| f.placed) {
             // Written in place already: only its status byte is left (the block stays lent,
             // so FULL in the cache, until then).
-            let filled = self.queue.pop_front().expect("queue is not empty");
             self.lent.retain(|&k| k != j);
-            let wr_id = self.take_wr_id();
-            self.in_flight.push_back(InFlight {
-                wr_id,
-                filled,
-                remote_block: j,
-            });
-            self.stats.writes += 1;
+            let (wr_id, _) = self.start_chain(j);
             self.stats.placed += 1;
             return Some(Action::Status {
                 wr_id,
@@ -570,16 +563,9 @@ impl SenderMachine {
         }
         match self.find_free_block(layout.blocks) {
             Some(j) => {
-                let filled = self.queue.pop_front().expect("queue is not empty");
                 self.remote[j] = status::FULL;
                 self.cursor = (j + 1) % layout.blocks;
-                let wr_id = self.take_wr_id();
-                self.in_flight.push_back(InFlight {
-                    wr_id,
-                    filled,
-                    remote_block: j,
-                });
-                self.stats.writes += 1;
+                let (wr_id, filled) = self.start_chain(j);
                 Some(Action::Write {
                     wr_id,
                     send_block: filled.send_block,
@@ -592,6 +578,19 @@ impl SenderMachine {
                 self.try_sync(SyncFor::Block)
             }
         }
+    }
+
+    /// The next queued block goes out in a chain into remote block `j`: in flight from now on.
+    fn start_chain(&mut self, j: usize) -> (u64, Filled) {
+        let filled = self.queue.pop_front().expect("queue is not empty");
+        let wr_id = self.take_wr_id();
+        self.in_flight.push_back(InFlight {
+            wr_id,
+            filled,
+            remote_block: j,
+        });
+        self.stats.writes += 1;
+        (wr_id, filled)
     }
 
     fn try_sync(&mut self, why: SyncFor) -> Option<Action> {

@@ -14,6 +14,15 @@ fn dev(id: u8, frame_len: usize, frames: u64, interval_us: u64) -> SimDevice {
 
 const LIMIT: Duration = Duration::from_secs(30);
 
+/// The frames (index, payload) delivered for `device`, in delivery order.
+fn delivered_by(r: &SimReport, device: u8) -> Vec<(u64, Vec<u8>)> {
+    r.delivered
+        .iter()
+        .filter(|(id, _, _)| *id == device)
+        .map(|(_, f, data)| (*f, data.clone()))
+        .collect()
+}
+
 /// Every device: frames delivered exactly once, in order, bit-exact; then end of stream.
 fn assert_complete(cfg: &SimConfig, r: &SimReport) {
     for d in &cfg.devices {
@@ -580,14 +589,12 @@ fn the_same_frames_arrive_bit_exact_and_in_order_with_coalescing_on_and_off() {
     assert_eq!(off.coalesced_blocks, 0);
     assert!(on.coalesced_blocks > 0);
     for d in &devices {
-        let of = |r: &SimReport| -> Vec<(u64, Vec<u8>)> {
-            r.delivered
-                .iter()
-                .filter(|(id, _, _)| *id == d.id)
-                .map(|(_, f, data)| (*f, data.clone()))
-                .collect()
-        };
-        assert_eq!(of(&off), of(&on), "device {} differs", d.id);
+        assert_eq!(
+            delivered_by(&off, d.id),
+            delivered_by(&on, d.id),
+            "device {} differs",
+            d.id
+        );
     }
 }
 
@@ -783,14 +790,12 @@ fn frames_written_into_lent_blocks_arrive_as_through_send_blocks() {
         assert!(r.in_place > 50, "only {} frames went in place", r.in_place);
         assert_eq!(r.stale_in_place, 0);
         for d in &cfg.devices {
-            let of = |r: &SimReport| -> Vec<(u64, Vec<u8>)> {
-                r.delivered
-                    .iter()
-                    .filter(|(id, _, _)| *id == d.id)
-                    .map(|(_, f, p)| (*f, p.clone()))
-                    .collect()
-            };
-            assert_eq!(of(&r), of(&copied), "device {} differs", d.id);
+            assert_eq!(
+                delivered_by(&r, d.id),
+                delivered_by(&copied, d.id),
+                "device {} differs",
+                d.id
+            );
         }
     }
 }
@@ -823,18 +828,14 @@ fn frames_written_into_an_old_connections_lent_blocks_are_dropped_not_delivered(
     );
     assert!(r.in_place > 100, "only {} frames went in place", r.in_place);
     for d in &cfg.devices {
-        let got: Vec<&(u8, u64, Vec<u8>)> = r
-            .delivered
-            .iter()
-            .filter(|(id, _, _)| *id == d.id)
-            .collect();
+        let got = delivered_by(&r, d.id);
         assert!(
-            got.windows(2).all(|w| w[0].1 < w[1].1),
+            got.windows(2).all(|w| w[0].0 < w[1].0),
             "device {}: handed on out of order or twice",
             d.id
         );
-        for (_, f, data) in got {
-            assert_eq!(data, &payload(d.id, *f, d.frame_len));
+        for (f, data) in got {
+            assert_eq!(data, payload(d.id, f, d.frame_len));
         }
     }
 }

@@ -1115,6 +1115,20 @@ fn filling_loop(
     }
 }
 
+/// The plan of committed frame `c`, which `reserve` admitted only if it fits in one block; any
+/// other plan is logged and `None` (the frame is dropped).
+fn one_block(msg: Option<Message>, c: &Committed) -> Option<Message> {
+    let msg = msg.filter(|m| m.headers.len() == 1);
+    if msg.is_none() {
+        tracing::error!(
+            frame = c.meta.index,
+            len = c.len,
+            "a reserved frame planned as more than one block; dropped"
+        );
+    }
+    msg
+}
+
 /// Writes header and seal around the payload a source wrote into reserved send block
 /// `c.block` and hands the block to the sending thread. False once the sender stops.
 fn seal_reserved(
@@ -1125,13 +1139,7 @@ fn seal_reserved(
     c: &Committed,
     placement: Placement,
 ) -> bool {
-    // `reserve` admits only frames that fit in one block, so the plan is one block.
-    let Some(msg) = msg.filter(|m| m.headers.len() == 1) else {
-        tracing::error!(
-            frame = c.meta.index,
-            len = c.len,
-            "a reserved frame planned as more than one block; dropped"
-        );
+    let Some(msg) = one_block(msg, c) else {
         free.release(c.block);
         return true;
     };
@@ -1166,13 +1174,7 @@ fn seal_placed(
     c: &Committed,
     placement: Placement,
 ) -> bool {
-    // `reserve` admits only frames that fit in one block, so the plan is one block.
-    let Some(msg) = msg.filter(|m| m.headers.len() == 1) else {
-        tracing::error!(
-            frame = c.meta.index,
-            len = c.len,
-            "a reserved frame planned as more than one block; dropped"
-        );
+    let Some(msg) = one_block(msg, c) else {
         return filled.send(ToSending::Returned(block.lent)).is_ok();
     };
     let h = msg.headers[0].sealed_for(placement);
