@@ -237,19 +237,9 @@ fn engine_rate(
     block_rate(block, true, secs, listener, connector)
 }
 
-/// [`engine_rate`] for a live (lossy) device whose sender lends receiver's blocks where the
-/// transport can (shm): the filling thread copies each frame once, straight into the receiver's
-/// memory, and the receiver hands each on without a copy.
-fn engine_live_rate(
-    block: usize,
-    secs: f64,
-    listener: Box<dyn Listener>,
-    connector: Box<dyn Connector>,
-) -> f64 {
-    block_rate(block, false, secs, listener, connector)
-}
-
-/// Block-filling frames of a lossless device, or of a live one whose sender lends.
+/// Block-filling frames of a lossless device ([`engine_rate`]), or of a live one whose sender
+/// lends receiver's blocks where the transport can (shm): its filling thread copies each frame
+/// once, straight into the receiver's memory, and the receiver hands each on without a copy.
 fn block_rate(
     block: usize,
     lossless: bool,
@@ -672,7 +662,7 @@ fn throughput(secs: f64) {
         let addr = l.local_addr();
         let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
         let engine_shm = engine_rate(block, secs, socket.listen(block), socket.connector());
-        let live_shm = engine_live_rate(block, secs, socket.listen(block), socket.connector());
+        let live_shm = block_rate(block, false, secs, socket.listen(block), socket.connector());
         let transport_shm = transport_rate(block, secs, socket.listen(block), socket.connector());
         let plain = if only_tcp {
             1.0
