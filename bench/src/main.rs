@@ -60,7 +60,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|small|engine-tcp|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|small|engine-tcp|transport-tcp|plain-tcp|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M] [--block BYTES]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
@@ -165,6 +165,42 @@ fn main() {
             );
             println!(
                 "engine tcp, {} blocks: {:.1} MB/s",
+                human(block),
+                rate / 1e6
+            );
+        }
+        // The transport alone over tcp (no engine), and plain TCP, at one block size:
+        // `perf record -g target/release/bench transport-tcp --block 65536`.
+        "transport-tcp" | "plain-tcp" => {
+            let block = opt("--block", 1048576.0) as usize;
+            let rate = if what == "plain-tcp" {
+                plain_tcp_rate(block, seconds)
+            } else {
+                let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
+                let addr = l.local_addr();
+                transport_rate(
+                    block,
+                    seconds,
+                    Box::new(l),
+                    Box::new(TcpConnector::new(addr)),
+                )
+            };
+            println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
+        }
+        // A live device's frames over tcp, at one block size.
+        "engine-tcp-live" => {
+            let block = opt("--block", 1048576.0) as usize;
+            let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
+            let addr = l.local_addr();
+            let rate = block_rate(
+                block,
+                false,
+                seconds,
+                Box::new(l),
+                Box::new(TcpConnector::new(addr)),
+            );
+            println!(
+                "engine tcp live, {} blocks: {:.1} MB/s",
                 human(block),
                 rate / 1e6
             );
@@ -435,7 +471,11 @@ fn transport_rate(
     mut listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
-    let blocks = connector.alloc_send_blocks(8, block).expect("send blocks");
+    // BENCH_TRANSPORT_SEND_BLOCKS: send blocks of the transport loop (default 8).
+    let sends = env_knob("BENCH_TRANSPORT_SEND_BLOCKS").unwrap_or(8);
+    let blocks = connector
+        .alloc_send_blocks(sends, block)
+        .expect("send blocks");
     let hello = Hello {
         version: PROTOCOL_VERSION,
         sender: "bench".into(),
@@ -450,38 +490,41 @@ fn transport_rate(
     let received = Arc::new(AtomicU64::new(0));
     let rx = {
         let (stop, received) = (stop.clone(), received.clone());
-        std::thread::spawn(move || {
-            let acc = loop {
-                if let Some(a) = listener.accept(Duration::from_millis(50)).unwrap() {
-                    break a;
-                }
-            };
-            let n = acc.region.layout().blocks;
-            let mut scanner = BlockScanner::default();
-            // The engine's idle policy: sleep 20 µs, doubling to 500 µs.
-            let mut idle = Duration::from_micros(20);
-            while !stop.load(Ordering::Relaxed) {
-                match scanner.next_full(n, |j| acc.region.status(j)) {
-                    Some(j) => {
-                        let mut first = 0u8;
-                        acc.region.read_block(j, &mut |b| first = b[0]);
-                        std::hint::black_box(first);
-                        acc.region.set_status(j, status::EMPTY);
-                        received.fetch_add(1, Ordering::Relaxed);
-                        idle = Duration::from_micros(20);
+        std::thread::Builder::new()
+            .name("bench-rx".into())
+            .spawn(move || {
+                let acc = loop {
+                    if let Some(a) = listener.accept(Duration::from_millis(50)).unwrap() {
+                        break a;
                     }
-                    None => {
-                        std::thread::sleep(idle);
-                        idle = (idle * 2).min(Duration::from_micros(500));
+                };
+                let n = acc.region.layout().blocks;
+                let mut scanner = BlockScanner::default();
+                // The engine's idle policy: sleep 20 µs, doubling to 500 µs.
+                let mut idle = Duration::from_micros(20);
+                while !stop.load(Ordering::Relaxed) {
+                    match scanner.next_full(n, |j| acc.region.status(j)) {
+                        Some(j) => {
+                            let mut first = 0u8;
+                            acc.region.read_block(j, &mut |b| first = b[0]);
+                            std::hint::black_box(first);
+                            acc.region.set_status(j, status::EMPTY);
+                            received.fetch_add(1, Ordering::Relaxed);
+                            idle = Duration::from_micros(20);
+                        }
+                        None => {
+                            std::thread::sleep(idle);
+                            idle = (idle * 2).min(Duration::from_micros(500));
+                        }
                     }
                 }
-            }
-        })
+            })
+            .unwrap()
     };
     let mut conn = connector.connect(&hello, None, &blocks).expect("connect");
-    let mut m = SenderMachine::new(8);
+    let mut m = SenderMachine::new(sends);
     m.handle_connected(conn.layout());
-    for i in 0..8 {
+    for i in 0..sends {
         m.handle_filled(i, block, rdmastream::proto::Delivery::Unconfirmed);
     }
     let mut driver = Driver::new();
