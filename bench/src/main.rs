@@ -60,7 +60,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|small|engine-tcp|transport-tcp|plain-tcp|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|transport-tcp|plain-tcp|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M] [--block BYTES]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
@@ -187,23 +187,19 @@ fn main() {
             };
             println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
         }
-        // A live device's frames over tcp, at one block size.
-        "engine-tcp-live" => {
+        // A live device's frames over tcp, pushed (copied by the filling thread) or written in
+        // place by the source, at one block size.
+        "engine-tcp-live" | "engine-tcp-place" => {
             let block = opt("--block", 1048576.0) as usize;
             let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
-            let addr = l.local_addr();
-            let rate = block_rate(
-                block,
-                false,
-                seconds,
-                Box::new(l),
-                Box::new(TcpConnector::new(addr)),
-            );
-            println!(
-                "engine tcp live, {} blocks: {:.1} MB/s",
-                human(block),
-                rate / 1e6
-            );
+            let c = Box::new(TcpConnector::new(l.local_addr()));
+            let l = Box::new(l);
+            let rate = if what == "engine-tcp-place" {
+                placed_rate(block, seconds, l, c)
+            } else {
+                block_rate(block, false, seconds, l, c)
+            };
+            println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
         }
         // The same over shm: `perf record -g target/release/bench engine-shm --block 65536`.
         "engine-shm" => {
@@ -288,6 +284,25 @@ fn block_rate(
         reliable: lossless,
         coalesce_wait: Duration::ZERO,
         lend: !lossless,
+        place: false,
+    };
+    engine_messages(block, m, secs, listener, connector) * block as f64
+}
+
+/// Block-filling frames of a live device written in place by the source (see [`Small::place`]):
+/// over tcp nothing copies them in user space on either end.
+fn placed_rate(
+    block: usize,
+    secs: f64,
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+) -> f64 {
+    let m = Small {
+        len: payload_capacity(block),
+        reliable: false,
+        coalesce_wait: Duration::ZERO,
+        lend: true,
+        place: true,
     };
     engine_messages(block, m, secs, listener, connector) * block as f64
 }
@@ -302,6 +317,11 @@ struct Small {
     coalesce_wait: Duration,
     /// Sets in-place blocks aside, so the sender lends receiver's blocks where it can (shm).
     lend: bool,
+    /// The source writes each message in place ([`rdmastream::engine::DeviceInput::reserve`]):
+    /// into a receiver's block lent over shm, into a send block otherwise; it writes only the
+    /// message's index into its first bytes (as plain TCP's writer sends one buffer again and
+    /// again, the source costs nothing).
+    place: bool,
 }
 
 /// Pushes messages of `m.len` bytes into one device as fast as the engine takes them (the
@@ -337,7 +357,13 @@ fn engine_messages(
         block_size: block,
         max_outstanding: 8,
         coalesce_wait: m.coalesce_wait,
-        in_place_blocks: usize::from(m.lend),
+        // Writing in place, half the send blocks set aside for it (the sender binary's default
+        // 8 + 8); lending alone needs one.
+        in_place_blocks: if m.place {
+            env_knob("BENCH_SEND_BLOCKS").unwrap_or_else(region_blocks) / 2
+        } else {
+            usize::from(m.lend)
+        },
         ..Default::default()
     };
     let queue = if m.reliable { 8 } else { 1024 };
@@ -351,10 +377,31 @@ fn engine_messages(
         std::thread::Builder::new()
             .name("bench-source".into())
             .spawn(move || {
-                let mut index = 0;
+                let mut index = 0u64;
                 // One buffer handed out again and again: the source costs nothing.
                 let data = rdmastream::bytes::Bytes::from(vec![0u8; len]);
                 while !stop.load(Ordering::Relaxed) {
+                    if m.place {
+                        let mut r = match input.reserve(len, Duration::from_millis(50)) {
+                            Ok(r) => r,
+                            Err(rdmastream::engine::NotReserved::TimedOut) => continue,
+                            Err(_) => break,
+                        };
+                        let stamp = index.to_le_bytes();
+                        r.payload_mut()[..stamp.len()].copy_from_slice(&stamp);
+                        let meta = rdmastream::engine::FrameMeta {
+                            index,
+                            timestamp_ns: 0,
+                            duration_ns: 0,
+                            pts_ns: None,
+                            format: format.clone(),
+                        };
+                        if !r.commit(meta) {
+                            break;
+                        }
+                        index += 1;
+                        continue;
+                    }
                     let f = SourceFrame {
                         index,
                         timestamp_ns: 0,
@@ -423,6 +470,7 @@ fn small_messages(secs: f64) {
                 reliable: false,
                 coalesce_wait,
                 lend: false,
+                place: false,
             };
             engine_messages(
                 BLOCK,
@@ -438,6 +486,7 @@ fn small_messages(secs: f64) {
                 reliable: false,
                 coalesce_wait,
                 lend: false,
+                place: false,
             };
             engine_messages(BLOCK, m, secs, socket.listen(BLOCK), socket.connector())
         };
@@ -666,13 +715,17 @@ fn throughput(secs: f64) {
         "   engine shm live: the same for a live (lossy) device over shm: the filling thread copies each frame once, into a receiver's block lent to it; no copy out"
     );
     println!(
+        "   eng tcp place: a live device over tcp whose source writes each frame into a send block in place (no user-space copy on either end)"
+    );
+    println!(
         "   transport: sending-thread loop over pre-filled blocks -> transport -> polling that frees each block"
     );
     println!(
-        "{:>8} {:>11} {:>11} {:>11} {:>14} {:>14} {:>14} {:>11} {:>10} {:>10} {:>10} {:>10} {:>12}",
+        "{:>8} {:>11} {:>11} {:>14} {:>11} {:>14} {:>14} {:>14} {:>11} {:>10} {:>10} {:>12} {:>10} {:>10} {:>12}",
         "block",
         "engine mem",
         "engine tcp",
+        "eng tcp place",
         "engine shm",
         "eng shm live",
         "transport tcp",
@@ -680,6 +733,7 @@ fn throughput(secs: f64) {
         "plain TCP",
         "tr tcp/pl",
         "eng tcp/pl",
+        "place tcp/pl",
         "tr shm/pl",
         "eng shm/pl",
         "live shm/pl"
@@ -703,6 +757,9 @@ fn throughput(secs: f64) {
         let tcp = engine_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
         let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
         let addr = l.local_addr();
+        let placed = placed_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
+        let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
+        let addr = l.local_addr();
         let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
         let engine_shm = engine_rate(block, secs, socket.listen(block), socket.connector());
         let live_shm = block_rate(block, false, secs, socket.listen(block), socket.connector());
@@ -713,10 +770,11 @@ fn throughput(secs: f64) {
             plain_tcp_rate(block, secs)
         };
         println!(
-            "{:>8} {:>11.1} {:>11.1} {:>11.1} {:>14.1} {:>14.1} {:>14.1} {:>11.1} {:>9.0}% {:>9.0}% {:>9.0}% {:>9.0}% {:>11.0}%",
+            "{:>8} {:>11.1} {:>11.1} {:>14.1} {:>11.1} {:>14.1} {:>14.1} {:>14.1} {:>11.1} {:>9.0}% {:>9.0}% {:>11.0}% {:>9.0}% {:>9.0}% {:>11.0}%",
             human(block),
             mem / 1e6,
             tcp / 1e6,
+            placed / 1e6,
             engine_shm / 1e6,
             live_shm / 1e6,
             transport / 1e6,
@@ -724,6 +782,7 @@ fn throughput(secs: f64) {
             plain / 1e6,
             100.0 * transport / plain,
             100.0 * tcp / plain,
+            100.0 * placed / plain,
             100.0 * transport_shm / plain,
             100.0 * engine_shm / plain,
             100.0 * live_shm / plain

@@ -688,7 +688,7 @@ impl TcpConnector {
             layout,
             stream,
             pending: Vec::with_capacity(2 * SMALL_WRITE),
-            deferred: None,
+            deferred: Vec::with_capacity(MAX_DEFERRED),
             blocks: blocks.clone(),
             completions: rx,
             expected_read,
@@ -866,8 +866,8 @@ pub struct TcpConnection {
     stream: TcpStream,
     /// Operation headers and small data not yet written.
     pending: Vec<u8>,
-    /// A send block's data that goes out at `pending[at]` on the next flush.
-    deferred: Option<Deferred>,
+    /// Send blocks' data that goes out at `pending[at]` on the next flush, in order.
+    deferred: Vec<Deferred>,
     blocks: Arc<SendBlocks>,
     completions: Receiver<Event>,
     /// Length of the READ outstanding (`NO_READ`: none), for the completion reader's check.
@@ -999,18 +999,18 @@ impl TcpConnection {
     fn push_op(&mut self, h: OpHeader, extra: &[u8], source: WriteSource<'_>) -> Result<()> {
         if let WriteSource::SendBlock { len, .. } = source
             && len >= SMALL_WRITE
-            && self.deferred.is_some()
+            && self.deferred.len() == MAX_DEFERRED
         {
             self.flush()?;
         }
         self.pending.extend_from_slice(&h.encode());
         self.pending.extend_from_slice(extra);
         match source {
-            // Large data is not batched: it goes out in one writev with what is batched before
-            // it and the small operations queued behind it (the chain's status byte), straight
-            // from the send block (no extra user-space copy, one segment train per chain).
+            // Large data is not copied: it goes out in one writev with what is queued around
+            // it (the chain's status byte, the chains posted with it), straight from the send
+            // block.
             WriteSource::SendBlock { index, len } if len >= SMALL_WRITE => {
-                self.deferred = Some(Deferred {
+                self.deferred.push(Deferred {
                     at: self.pending.len(),
                     index,
                     len,
@@ -1022,7 +1022,7 @@ impl TcpConnection {
             }
             WriteSource::Inline(b) => self.pending.extend_from_slice(b),
         }
-        let behind = self.deferred.map_or(0, |d| d.at);
+        let behind = self.deferred.last().map_or(0, |d| d.at);
         if self.pending.len() - behind >= SMALL_WRITE {
             self.flush()?;
         }
@@ -1036,19 +1036,26 @@ impl TcpConnection {
         }
     }
 
-    /// Writes what is queued, the deferred send block's data in its place.
+    /// Writes what is queued, the deferred send blocks' data in their places, in one writev
+    /// when the socket takes it all.
     fn flush(&mut self) -> Result<()> {
-        let r = match self.deferred.take() {
-            Some(d) => {
-                let (pending, stream) = (&self.pending, &mut self.stream);
-                self.blocks.read(d.index, d.len, |b| {
-                    write_slices(stream, &pending[..d.at], b, &pending[d.at..])
-                })
+        if self.pending.is_empty() && self.deferred.is_empty() {
+            return Ok(());
+        }
+        let (pending, stream) = (&self.pending, &mut self.stream);
+        let r = with_blocks(&self.blocks, &self.deferred, &[], &mut |data| {
+            let mut slices = Vec::with_capacity(2 * data.len() + 1);
+            let mut from = 0;
+            for (d, b) in self.deferred.iter().zip(data) {
+                slices.push(std::io::IoSlice::new(&pending[from..d.at]));
+                slices.push(std::io::IoSlice::new(b));
+                from = d.at;
             }
-            None if self.pending.is_empty() => return Ok(()),
-            None => self.stream.write_all(&self.pending),
-        };
+            slices.push(std::io::IoSlice::new(&pending[from..]));
+            write_slices(stream, &mut slices)
+        });
         self.pending.clear();
+        self.deferred.clear();
         r.map_err(|e| self.lost(format!("sending: {e}")))
     }
 
@@ -1077,6 +1084,9 @@ impl Drop for TcpConnection {
 /// Data at least this large is written straight from the send block instead of being batched.
 const SMALL_WRITE: usize = 16 * 1024;
 
+/// Chains whose block data one flush writes at most.
+const MAX_DEFERRED: usize = 8;
+
 /// Where a send block's data goes in the queued bytes ([`TcpConnection::flush`]).
 #[derive(Clone, Copy)]
 struct Deferred {
@@ -1085,20 +1095,31 @@ struct Deferred {
     len: usize,
 }
 
-/// Writes `head`, `data` and `tail` with as few system calls as possible.
+/// Runs `f` over the data of every block in `list` (after `got`, the blocks' data already
+/// taken), each send block held for the whole call.
+fn with_blocks(
+    blocks: &SendBlocks,
+    list: &[Deferred],
+    got: &[&[u8]],
+    f: &mut dyn FnMut(&[&[u8]]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    match list.split_first() {
+        None => f(got),
+        Some((d, rest)) => blocks.read(d.index, d.len, |b| {
+            let mut more = got.to_vec();
+            more.push(b);
+            with_blocks(blocks, rest, &more, f)
+        }),
+    }
+}
+
+/// Writes `slices` with as few system calls as possible.
 fn write_slices(
     stream: &mut TcpStream,
-    head: &[u8],
-    data: &[u8],
-    tail: &[u8],
+    slices: &mut [std::io::IoSlice<'_>],
 ) -> std::io::Result<()> {
-    let mut slices = [
-        std::io::IoSlice::new(head),
-        std::io::IoSlice::new(data),
-        std::io::IoSlice::new(tail),
-    ];
-    let mut left = head.len() + data.len() + tail.len();
-    let mut rest = &mut slices[..];
+    let mut left: usize = slices.iter().map(|s| s.len()).sum();
+    let mut rest = slices;
     while left > 0 {
         let n = stream.write_vectored(rest)?;
         if n == 0 {
