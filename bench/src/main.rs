@@ -388,7 +388,8 @@ fn engine_messages(
                             Err(_) => break,
                         };
                         let stamp = index.to_le_bytes();
-                        r.payload_mut()[..stamp.len()].copy_from_slice(&stamp);
+                        let n = stamp.len().min(r.len());
+                        r.payload_mut()[..n].copy_from_slice(&stamp[..n]);
                         let meta = rdmastream::engine::FrameMeta {
                             index,
                             timestamp_ns: 0,
