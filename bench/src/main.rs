@@ -194,11 +194,12 @@ fn main() {
             let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
             let c = Box::new(TcpConnector::new(l.local_addr()));
             let l = Box::new(l);
-            let rate = if what == "engine-tcp-place" {
-                placed_rate(block, seconds, l, c)
+            let frames = if what == "engine-tcp-place" {
+                Frames::Placed
             } else {
-                block_rate(block, false, seconds, l, c)
+                Frames::Live
             };
+            let rate = block_rate(block, frames, seconds, l, c);
             println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
         }
         // The same over shm: `perf record -g target/release/bench engine-shm --block 65536`.
@@ -266,45 +267,39 @@ fn engine_rate(
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
-    block_rate(block, true, secs, listener, connector)
+    block_rate(block, Frames::Lossless, secs, listener, connector)
 }
 
-/// Block-filling frames of a lossless device ([`engine_rate`]), or of a live one whose sender
-/// lends receiver's blocks where the transport can (shm): its filling thread copies each frame
-/// once, straight into the receiver's memory, and the receiver hands each on without a copy.
+/// Block-filling frames, bytes per second: of a lossless device ([`engine_rate`]); of a live
+/// one whose sender lends receiver's blocks where the transport can (shm): its filling thread
+/// copies each frame once, straight into the receiver's memory, and the receiver hands each on
+/// without a copy; or, with `Frames::Placed`, of a live one whose source writes each frame in
+/// place (see [`Small::place`]): over tcp nothing copies them in user space on either end.
 fn block_rate(
     block: usize,
-    lossless: bool,
+    frames: Frames,
     secs: f64,
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
     let m = Small {
         len: payload_capacity(block),
-        reliable: lossless,
+        reliable: frames == Frames::Lossless,
         coalesce_wait: Duration::ZERO,
-        lend: !lossless,
-        place: false,
+        lend: frames != Frames::Lossless,
+        place: frames == Frames::Placed,
     };
     engine_messages(block, m, secs, listener, connector) * block as f64
 }
 
-/// Block-filling frames of a live device written in place by the source (see [`Small::place`]):
-/// over tcp nothing copies them in user space on either end.
-fn placed_rate(
-    block: usize,
-    secs: f64,
-    listener: Box<dyn Listener>,
-    connector: Box<dyn Connector>,
-) -> f64 {
-    let m = Small {
-        len: payload_capacity(block),
-        reliable: false,
-        coalesce_wait: Duration::ZERO,
-        lend: true,
-        place: true,
-    };
-    engine_messages(block, m, secs, listener, connector) * block as f64
+/// Whose frames [`block_rate`] measures.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Frames {
+    Lossless,
+    /// A live device's frames, pushed (the filling thread copies them).
+    Live,
+    /// A live device's frames, written in place by the source.
+    Placed,
 }
 
 /// What the source of [`engine_messages`] pushes.
@@ -758,12 +753,24 @@ fn throughput(secs: f64) {
         let tcp = engine_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
         let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
         let addr = l.local_addr();
-        let placed = placed_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
+        let placed = block_rate(
+            block,
+            Frames::Placed,
+            secs,
+            Box::new(l),
+            Box::new(TcpConnector::new(addr)),
+        );
         let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
         let addr = l.local_addr();
         let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
         let engine_shm = engine_rate(block, secs, socket.listen(block), socket.connector());
-        let live_shm = block_rate(block, false, secs, socket.listen(block), socket.connector());
+        let live_shm = block_rate(
+            block,
+            Frames::Live,
+            secs,
+            socket.listen(block),
+            socket.connector(),
+        );
         let transport_shm = transport_rate(block, secs, socket.listen(block), socket.connector());
         let plain = if only_tcp {
             1.0

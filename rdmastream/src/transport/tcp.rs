@@ -1029,6 +1029,20 @@ impl TcpConnection {
         Ok(())
     }
 
+    /// Queues a NOP, which the receiver answers with an ACK of `wr_id`: a heartbeat
+    /// ([`NOP_WR_ID`]), or the request for the acknowledgement of chains ([`WireAcks::ask`]).
+    fn queue_nop(&mut self, wr_id: u64) {
+        let h = OpHeader {
+            op: OP_NOP,
+            target: 0,
+            signaled: true,
+            len: 0,
+            offset: 0,
+            wr_id,
+        };
+        self.pending.extend_from_slice(&h.encode());
+    }
+
     fn lost(&self, reason: impl std::fmt::Display) -> Error {
         Error::Disconnected {
             peer: self.peer.clone(),
@@ -1174,15 +1188,7 @@ impl Connection for TcpConnection {
     }
     fn poll_completions(&mut self, out: &mut Vec<Completion>, timeout: Duration) -> Result<()> {
         if let Some(wr_id) = self.acks.ask() {
-            let h = OpHeader {
-                op: OP_NOP,
-                target: 0,
-                signaled: true,
-                len: 0,
-                offset: 0,
-                wr_id,
-            };
-            self.pending.extend_from_slice(&h.encode());
+            self.queue_nop(wr_id);
         }
         self.flush()?;
         let from = out.len();
@@ -1219,15 +1225,7 @@ impl Connection for TcpConnection {
         }
         if self.nop_sent.elapsed() >= interval {
             self.nop_sent = Instant::now();
-            let h = OpHeader {
-                op: OP_NOP,
-                target: 0,
-                signaled: true,
-                len: 0,
-                offset: 0,
-                wr_id: NOP_WR_ID,
-            };
-            self.pending.extend_from_slice(&h.encode());
+            self.queue_nop(NOP_WR_ID);
             self.flush()?;
         }
         Ok(())
