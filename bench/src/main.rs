@@ -155,14 +155,8 @@ fn main() {
         // `perf record -g target/release/bench engine-tcp --block 1048576 --seconds 5`.
         "engine-tcp" => {
             let block = opt("--block", 1048576.0) as usize;
-            let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
-            let addr = l.local_addr();
-            let rate = engine_rate(
-                block,
-                seconds,
-                Box::new(l),
-                Box::new(TcpConnector::new(addr)),
-            );
+            let (l, c) = loopback_tcp(block);
+            let rate = engine_rate(block, seconds, l, c);
             println!(
                 "engine tcp, {} blocks: {:.1} MB/s",
                 human(block),
@@ -176,14 +170,8 @@ fn main() {
             let rate = if what == "plain-tcp" {
                 plain_tcp_rate(block, seconds)
             } else {
-                let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
-                let addr = l.local_addr();
-                transport_rate(
-                    block,
-                    seconds,
-                    Box::new(l),
-                    Box::new(TcpConnector::new(addr)),
-                )
+                let (l, c) = loopback_tcp(block);
+                transport_rate(block, seconds, l, c)
             };
             println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
         }
@@ -191,9 +179,7 @@ fn main() {
         // place by the source, at one block size.
         "engine-tcp-live" | "engine-tcp-place" => {
             let block = opt("--block", 1048576.0) as usize;
-            let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
-            let c = Box::new(TcpConnector::new(l.local_addr()));
-            let l = Box::new(l);
+            let (l, c) = loopback_tcp(block);
             let frames = if what == "engine-tcp-place" {
                 Frames::Placed
             } else {
@@ -459,8 +445,7 @@ fn small_messages(secs: f64) {
     let socket = ShmSocket::new("bench-small");
     for len in [64usize, 128, 256, 512, 1024] {
         let over_tcp = |coalesce_wait| {
-            let l = tcp::listen("127.0.0.1:0", region(BLOCK)).unwrap();
-            let addr = l.local_addr();
+            let (l, c) = loopback_tcp(BLOCK);
             let m = Small {
                 len,
                 reliable: false,
@@ -468,13 +453,7 @@ fn small_messages(secs: f64) {
                 lend: false,
                 place: false,
             };
-            engine_messages(
-                BLOCK,
-                m,
-                secs,
-                Box::new(l),
-                Box::new(TcpConnector::new(addr)),
-            )
+            engine_messages(BLOCK, m, secs, l, c)
         };
         let over_shm = |coalesce_wait| {
             let m = Small {
@@ -690,6 +669,13 @@ impl Drop for ShmSocket {
     }
 }
 
+/// A tcp receiver listening on a loopback port of its own, and a connector to it.
+fn loopback_tcp(block: usize) -> (Box<dyn Listener>, Box<dyn Connector>) {
+    let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
+    let connector = TcpConnector::new(l.local_addr());
+    (Box::new(l), Box::new(connector))
+}
+
 fn region(block: usize) -> RegionSettings {
     RegionSettings::plain(region_blocks(), block)
 }
@@ -748,21 +734,12 @@ fn throughput(secs: f64) {
             Box::new(fabric.listen("bench", region(block))),
             Box::new(fabric.connector("bench")),
         );
-        let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
-        let addr = l.local_addr();
-        let tcp = engine_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
-        let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
-        let addr = l.local_addr();
-        let placed = block_rate(
-            block,
-            Frames::Placed,
-            secs,
-            Box::new(l),
-            Box::new(TcpConnector::new(addr)),
-        );
-        let l = tcp::listen("127.0.0.1:0", region(block)).unwrap();
-        let addr = l.local_addr();
-        let transport = transport_rate(block, secs, Box::new(l), Box::new(TcpConnector::new(addr)));
+        let (l, c) = loopback_tcp(block);
+        let tcp = engine_rate(block, secs, l, c);
+        let (l, c) = loopback_tcp(block);
+        let placed = block_rate(block, Frames::Placed, secs, l, c);
+        let (l, c) = loopback_tcp(block);
+        let transport = transport_rate(block, secs, l, c);
         let engine_shm = engine_rate(block, secs, socket.listen(block), socket.connector());
         let live_shm = block_rate(
             block,
