@@ -25,7 +25,7 @@ use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::ptr::NonNull;
-use std::sync::atomic::AtomicU8;
+use std::sync::atomic::{AtomicU8, AtomicU32};
 
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
@@ -170,6 +170,20 @@ impl SharedMapping {
         // `self`); AtomicU8 has the size and alignment of u8; every access to status bytes, in
         // both processes, goes through atomics.
         unsafe { AtomicU8::from_ptr(self.ptr.as_ptr().add(offset)) }
+    }
+
+    /// The 32-bit word at `offset` as an atomic (the shm transport's doorbell, a futex word).
+    /// Panics if `offset` is outside the mapping or not a multiple of 4.
+    pub fn word(&self, offset: usize) -> &AtomicU32 {
+        self.check(offset, 4);
+        assert!(
+            offset.is_multiple_of(4),
+            "a 32-bit word at {offset} is not aligned"
+        );
+        // SAFETY: inside the mapping, which outlives the returned reference (it borrows
+        // `self`), and 4-byte aligned (the mapping starts on a page); every access to this word,
+        // in both processes, goes through atomics.
+        unsafe { AtomicU32::from_ptr(self.ptr.as_ptr().add(offset).cast::<u32>()) }
     }
 
     /// The `len` bytes at `offset`. Panics if they are outside the mapping.

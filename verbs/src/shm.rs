@@ -4,13 +4,15 @@
 //!
 //! Connection setup runs on a Unix socket (`unix:/path`): the same handshake as the other
 //! transports (Hello, challenge and proofs, admission, the memory budget; data path 2). Once the
-//! sender is admitted, the receiver creates its region as a memfd — the status array at offset
-//! 0, the memory blocks from the Welcome's `blocks_addr` on — seals its size, sends the Welcome
-//! and then the memfd itself (SCM_RIGHTS). The sender maps it and from then on plays the NIC
+//! sender is admitted, the receiver creates its region as a memfd — the doorbell word at offset
+//! 0, the status array at the Welcome's `status_addr` (64), the memory blocks from its
+//! `blocks_addr` on — seals its size, sends the Welcome and then the memfd itself (SCM_RIGHTS). The sender maps it and from then on plays the NIC
 //! itself: a write chain copies the block's bytes straight into the receiver's block and then
 //! stores the status byte with release ordering; a sync loads the status array with acquire
-//! ordering; both complete at once (the completion is returned by the next poll). Each sender
-//! gets its own memfd, so it can reach no other sender's region.
+//! ordering; both complete at once (the completion is returned by the next poll). After storing
+//! status bytes it rings the doorbell when the receiver's polling thread waits on it (a futex on
+//! the shared word), so an idle receiver sees a block at once instead of after its sleep. Each
+//! sender gets its own memfd, so it can reach no other sender's region.
 //!
 //! The socket stays open: heartbeat bytes go both ways on it, and its end (a sender killed with
 //! SIGKILL included) tells the receiver the sender is gone, as the side channel does for verbs.
@@ -31,8 +33,10 @@
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+use std::time::{Duration, Instant};
+
+use rustix::thread::futex;
 
 use parking_lot::Mutex;
 
@@ -59,10 +63,27 @@ pub fn socket_path(addr: &str) -> Option<&Path> {
         .map(Path::new)
 }
 
-/// Where the memory blocks start in a region of `blocks` blocks: after the status array,
-/// rounded up to a cache line so no block shares one with status bytes.
+/// The doorbell: a 32-bit futex word at offset 0 of the region, alone on its cache line. The
+/// receiver's polling thread stores [`ASLEEP`] in it before it waits; the sender, after storing
+/// a status byte, swaps in [`AWAKE`] and wakes it if it was asleep (docs/protocol.md, "The
+/// doorbell"). A sender rings only when the Welcome puts the status array at
+/// [`STATUS_AT`] or later, so the word is never a status byte or a block.
+pub const DOORBELL_AT: usize = 0;
+/// Where the status array starts: the cache line after the doorbell's.
+pub const STATUS_AT: usize = 64;
+/// Doorbell values: the polling thread is about to wait, or is not waiting.
+pub const ASLEEP: u32 = 1;
+pub const AWAKE: u32 = 0;
+/// How often one idle wait may be woken with no FULL status byte to show for it before the
+/// polling thread sleeps out the rest plainly: a sender ringing (or scribbling on the word) for
+/// nothing cannot make it spin.
+const EMPTY_WAKES: u32 = 8;
+
+/// Where the memory blocks start in a region of `blocks` blocks: after the doorbell's cache
+/// line and the status array, rounded up to a cache line so no block shares one with status
+/// bytes.
 pub fn blocks_offset(blocks: usize) -> usize {
-    blocks.div_ceil(64) * 64
+    STATUS_AT + blocks.div_ceil(64) * 64
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -80,6 +101,8 @@ pub struct ShmRegion {
     layout: RemoteLayout,
     mapping: SharedMapping,
     blocks_at: usize,
+    /// Idle waits the doorbell cut short (for tests and stats).
+    rung: AtomicU64,
     closed: AtomicBool,
     retained: AtomicUsize,
     /// The socket, to end the connection on [`Region::disconnect`].
@@ -90,6 +113,16 @@ pub struct ShmRegion {
 }
 
 impl ShmRegion {
+    /// Whether any block's status byte is FULL.
+    fn any_full(&self) -> bool {
+        (0..self.layout.blocks).any(|j| self.status(j) == status::FULL)
+    }
+
+    /// Idle waits the sender's doorbell ended before their timeout.
+    pub fn rung(&self) -> u64 {
+        self.rung.load(Ordering::Relaxed)
+    }
+
     /// The bytes of block `j`.
     #[allow(unsafe_code)]
     fn block_bytes(&self, j: usize) -> &[u8] {
@@ -116,10 +149,54 @@ impl Region for ShmRegion {
         rdmastream::proto::Placement::Ordered
     }
     fn status(&self, j: usize) -> u8 {
-        self.mapping.status(j).load(Ordering::Acquire)
+        self.mapping.status(STATUS_AT + j).load(Ordering::Acquire)
     }
     fn set_status(&self, j: usize, value: u8) {
-        self.mapping.status(j).store(value, Ordering::Release)
+        self.mapping
+            .status(STATUS_AT + j)
+            .store(value, Ordering::Release)
+    }
+    /// Waits on the doorbell. Before each wait the word is set to [`ASLEEP`] and, after a
+    /// sequentially consistent fence, the status array is looked at once more: a status byte
+    /// the sender stored before it could see the word is found here, and one it stores after
+    /// finds the word set and rings (the sender fences between its store and its look at the
+    /// word). The word is only a hint from the sender: a wake with nothing FULL waits again, at
+    /// most [`EMPTY_WAKES`] times, then the rest is slept out plainly.
+    fn wakes(&self) -> bool {
+        true
+    }
+    fn wait(&self, timeout: Duration) {
+        let bell = self.mapping.word(DOORBELL_AT);
+        let deadline = Instant::now() + timeout;
+        let mut empty_wakes = 0;
+        loop {
+            bell.store(ASLEEP, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            if self.any_full() {
+                if empty_wakes > 0 && Instant::now() < deadline {
+                    self.rung.fetch_add(1, Ordering::Relaxed);
+                }
+                break;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || self.is_closed() {
+                break;
+            }
+            if empty_wakes == EMPTY_WAKES {
+                bell.store(AWAKE, Ordering::Relaxed);
+                std::thread::sleep(left);
+                return;
+            }
+            // Returns when woken, at the timeout, or at once when the word is no longer ASLEEP
+            // (the sender rang between the store above and this call).
+            let ts = futex::Timespec::try_from(left).unwrap_or(futex::Timespec {
+                tv_sec: 1,
+                tv_nsec: 0,
+            });
+            let _ = futex::wait(bell, futex::Flags::empty(), ASLEEP, Some(&ts));
+            empty_wakes += 1;
+        }
+        bell.store(AWAKE, Ordering::Relaxed);
     }
     fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8])) {
         f(self.block_bytes(j))
@@ -207,12 +284,14 @@ fn handshake(
                     )
                 })?;
             for &j in &settings.reserved_blocks {
-                mapping.status(j).store(status::RETAINED, Ordering::Release);
+                mapping
+                    .status(STATUS_AT + j)
+                    .store(status::RETAINED, Ordering::Release);
             }
             let welcome = Welcome {
                 blocks: n as u32,
                 block_size: b as u32,
-                status_addr: 0,
+                status_addr: STATUS_AT as u64,
                 blocks_addr: blocks_at as u64,
                 ..Welcome::refusal("")
             };
@@ -233,6 +312,7 @@ fn handshake(
         },
         mapping,
         blocks_at,
+        rung: AtomicU64::new(0),
         closed: AtomicBool::new(false),
         retained: AtomicUsize::new(0),
         side: Mutex::new(side.try_clone().ok()),
@@ -386,6 +466,7 @@ impl Connector for ShmConnector {
             mapping: Arc::new(mapping),
             status_at: status_at.expect("checked"),
             blocks_at: blocks_at.expect("checked"),
+            doorbell: status_at.is_some_and(|s| s >= STATUS_AT),
             blocks: blocks.clone(),
             done: Vec::new(),
             side,
@@ -403,6 +484,8 @@ pub struct ShmConnection {
     mapping: Arc<SharedMapping>,
     status_at: usize,
     blocks_at: usize,
+    /// Whether the region has a doorbell word ([`DOORBELL_AT`]) to ring after status bytes.
+    doorbell: bool,
     blocks: Arc<SendBlocks>,
     /// Completions of work already done, returned by the next poll.
     done: Vec<Completion>,
@@ -465,6 +548,22 @@ impl ShmConnection {
     fn store_statuses(&self, at: usize, bytes: &[u8]) {
         for (k, &v) in bytes.iter().enumerate() {
             self.mapping.status(at + k).store(v, Ordering::Release);
+        }
+        self.ring();
+    }
+
+    /// Wakes the receiver's polling thread if it is waiting (or about to): the fence orders
+    /// the status stores before the look at the word, as the receiver's fence orders its
+    /// store of ASLEEP before its last look at the status bytes, so one of the two sees the
+    /// other. While the receiver is busy the word stays AWAKE and this costs one load.
+    fn ring(&self) {
+        if !self.doorbell {
+            return;
+        }
+        let bell = self.mapping.word(DOORBELL_AT);
+        fence(Ordering::SeqCst);
+        if bell.load(Ordering::Relaxed) != AWAKE && bell.swap(AWAKE, Ordering::Relaxed) != AWAKE {
+            let _ = futex::wake(bell, futex::Flags::empty(), 1);
         }
     }
 

@@ -440,3 +440,95 @@ fn a_receiver_passing_an_unsealed_region_is_refused() {
     assert!(e.contains("not sealed"), "{e}");
     fake.join().unwrap();
 }
+
+/// The status byte of remote block `j` alone, as the sending thread posts it for a block
+/// written in place (and, with `value` 0, what a hostile sender could post to ring for nothing).
+fn store_status(conn: &mut dyn Connection, wr_id: u64, j: usize, value: u8) {
+    conn.post_write_chain(
+        wr_id,
+        &[WriteWr {
+            source: WriteSource::Inline(&[value]),
+            remote: RemoteAddr {
+                target: Target::Statuses,
+                offset: j as u64,
+            },
+            signaled: true,
+        }],
+    )
+    .unwrap();
+}
+
+/// The receiver's idle wait ends when the sender stores a status byte (the doorbell), not
+/// after its timeout; and a status byte stored before the wait begins ends it at once (no
+/// wake-up is lost between the receiver's last scan and its wait).
+#[test]
+fn the_doorbell_ends_the_receivers_idle_wait_when_a_status_byte_is_stored() {
+    let mut pair = listen(RegionSettings::plain(4, 4096));
+    let (mut conn, accepted, blocks) = pair.connect("edge-a", None);
+    let region = accepted.region.clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let waiter = {
+        let region = region.clone();
+        std::thread::spawn(move || {
+            let t0 = std::time::Instant::now();
+            ready_tx.send(()).unwrap();
+            region.wait(Duration::from_secs(30));
+            t0.elapsed()
+        })
+    };
+    ready_rx.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    blocks.fill(0, |b| b[..5].copy_from_slice(b"hello"));
+    write_block(conn.as_mut(), 1, 0, 2, 5);
+    let waited = waiter.join().unwrap();
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(15),
+        "the wait took {waited:?}: it should end when the status byte is stored, 300 ms in"
+    );
+    assert_eq!(region.status(2), status::FULL);
+    // Already FULL when the wait begins: it returns at once.
+    let t0 = std::time::Instant::now();
+    region.wait(Duration::from_secs(30));
+    assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
+}
+
+/// The doorbell is the sender's word only as a hint: a sender that rings without storing a
+/// FULL status byte (here it stores 0 over and over) neither ends the receiver's wait early nor
+/// makes its polling thread spin.
+#[test]
+fn a_sender_ringing_for_nothing_cannot_make_the_receiver_spin() {
+    let mut pair = listen(RegionSettings::plain(4, 4096));
+    let (mut conn, accepted, _blocks) = pair.connect("edge-a", None);
+    let region = accepted.region.clone();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let ringer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut id = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                id += 1;
+                store_status(conn.as_mut(), id, 0, status::EMPTY);
+            }
+            id
+        })
+    };
+    let cpu = || {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+        Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+    };
+    let (t0, cpu0) = (std::time::Instant::now(), cpu());
+    region.wait(Duration::from_millis(500));
+    let (waited, cpu1) = (t0.elapsed(), cpu());
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let rings = ringer.join().unwrap();
+    let spent = cpu1 - cpu0;
+    assert!(rings > 100, "the sender rang only {rings} times");
+    assert!(
+        waited >= Duration::from_millis(500),
+        "the wait ended early: {waited:?}"
+    );
+    assert!(
+        spent < Duration::from_millis(50),
+        "the waiting thread spent {spent:?} of CPU in a 500 ms wait"
+    );
+}

@@ -438,7 +438,14 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
     };
     let n = region.layout().blocks;
     let mut scanner = BlockScanner::default();
-    let mut idle = shared.opts.poll_min;
+    // A region whose sender rings when it stores a status byte (shm) is waited on for the
+    // longest sleep at once: the wait ends when a block comes, not after the sleep.
+    let poll_min = if region.wakes() {
+        shared.opts.poll_max
+    } else {
+        shared.opts.poll_min
+    };
+    let mut idle = poll_min;
     let mut last_block = Instant::now();
     // Keep at least half the blocks for the sender: beyond that, payloads are copied.
     let zero_copy_limit = n / 2;
@@ -466,7 +473,7 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
                     .for_each(|p| route(&shared, &name, session, p)),
                 Err(e) => shared.invalid.record(e, &name, &peer),
             }
-            idle = shared.opts.poll_min;
+            idle = poll_min;
             last_block = Instant::now();
             continue;
         }
@@ -505,7 +512,8 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
             std::thread::yield_now();
             continue;
         }
-        std::thread::sleep(idle);
+        // Over shm the sender's doorbell cuts this short when it stores a status byte.
+        region.wait(idle);
         idle = (idle * 2).min(shared.opts.poll_max);
     }
     tracing::info!(sender = %name, %peer, "sender disconnected; region freed");

@@ -56,6 +56,18 @@ pub trait Region: Send + Sync {
     fn work_counts(&self) -> Option<WorkCounts> {
         None
     }
+    /// The polling thread's idle wait: it found no FULL status byte and waits up to `timeout`
+    /// before it scans again. The default sleeps the whole time; a transport whose sender can
+    /// ring the receiver (shm's doorbell) returns as soon as a status byte is stored. Returning
+    /// early is only ever a hint: the caller scans again either way.
+    fn wait(&self, timeout: std::time::Duration) {
+        std::thread::sleep(timeout);
+    }
+    /// Whether [`wait`](Self::wait) ends when the sender stores a status byte: the polling
+    /// thread then waits its longest sleep at once instead of doubling up to it.
+    fn wakes(&self) -> bool {
+        false
+    }
 }
 
 /// The bytes of a retained block, however the region stores them.
