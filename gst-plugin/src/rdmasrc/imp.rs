@@ -601,7 +601,7 @@ impl ObjectImpl for RdmaSrc {
                     .build(),
                 glib::ParamSpecUInt::builder("poll-spin")
                     .nick("Poll spin")
-                    .blurb("Microseconds the receiver keeps looking for the next block (yielding the CPU) after one arrived, before it sleeps (20 us, doubling up to poll-max): a lower latency for streams whose frames come close together, paid in CPU; 0 sleeps at once. Shared by the elements on one address (the first one's value)")
+                    .blurb("Microseconds the receiver keeps looking for the next block (yielding the CPU) after one arrived, before it sleeps (20 us, doubling up to poll-max): a lower latency for streams whose frames come close together, paid in CPU; 0 sleeps at once. Not over shm, where the sender's doorbell wakes the receiver. Shared by the elements on one address (the first one's value)")
                     .maximum(100_000)
                     .default_value(DEFAULT_POLL_SPIN_US)
                     .mutable_ready()
