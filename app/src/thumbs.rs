@@ -184,6 +184,11 @@ impl FrameSink for ThumbnailTap {
         self.inner.stopping();
     }
 
+    /// A thumbnail is drawn while the event passes; no frame is kept.
+    fn lets_frames_go(&self) -> bool {
+        self.inner.lets_frames_go()
+    }
+
     fn flush(&self) {
         self.inner.flush();
     }

@@ -243,6 +243,9 @@ impl FrameSink for CountingSink {
             self.bytes.fetch_add(f.data.len() as u64, Ordering::Relaxed);
         }
     }
+    fn lets_frames_go(&self) -> bool {
+        true
+    }
 }
 
 /// Pushes frames that fill one block each, as fast as the engine takes them, for `secs`;

@@ -53,6 +53,16 @@ pub trait FrameSink: Send + Sync {
     fn stopping(&self) {}
     /// Waits until everything handed over is done (files written).
     fn flush(&self) {}
+    /// Whether this sink lets go of a frame's bytes as soon as it settles the frame's
+    /// acknowledgement (the directory output: a file written, renamed, then dropped). A
+    /// lossless one-block frame is then handed on as the receiver's block itself instead of a
+    /// copy: the block is freed at the same moment either way. A sink that may keep a frame's
+    /// memory after acknowledging it (a GStreamer pipeline, a test that collects frames) says
+    /// no, the default: holding the block would hold back the acknowledgement, and with it the
+    /// sender's send blocks (docs/protocol.md, "Lossless delivery").
+    fn lets_frames_go(&self) -> bool {
+        false
+    }
 }
 
 /// Receiver settings.
@@ -463,6 +473,7 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         let full = scanner.next_full(n, |j| region.status(j));
         let room =
             full.is_none_or(|j| has_room(&shared, &name, &region, j, zero_copy_limit, &memory));
+        let lossless_in_place = shared.sink.lets_frames_go();
         if let (Some(j), true) = (full, room) {
             memory_wait = None;
             let over = region.retained() >= zero_copy_limit;
@@ -470,7 +481,13 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
                 tracing::debug!(sender = %name, "{} of {n} blocks are held downstream; copying payloads until some are released", region.retained());
             }
             copy_logged = over;
-            let packets = take_block(&region, j, shared.opts.max_device, zero_copy_limit, &memory);
+            let packets = take_block(
+                &region,
+                j,
+                shared.opts.max_device,
+                (zero_copy_limit, lossless_in_place),
+                &memory,
+            );
             shared.blocks.fetch_add(1, Ordering::Relaxed);
             match packets {
                 // A coalesced block's messages, in block order, each as if it came alone.
@@ -525,10 +542,6 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
     tracing::info!(sender = %name, %peer, "sender disconnected; region freed");
 }
 
-/// Takes block `j`: retains it (status 2), validates it, and either hands its payload on as is
-/// (zero copy; the block is freed when the last user drops it) or, when `zero_copy_limit` blocks
-/// of this region are already retained, copies the payload and frees the block at once. An
-/// invalid block is freed at once.
 /// Whether this sender's memory share has room for what taking block `j` costs: nothing for a
 /// single-block frame handed on as the block itself; for a copy, its payload; for a fragment of
 /// a larger frame, its copy plus what the reassembly buffer may grow by. An invalid block costs
@@ -563,7 +576,9 @@ fn has_room(
             .get(name)
             .map_or(0, |s| s.session.assembly_bytes(h.device));
         payload + assembling.max(payload)
-    } else if h.is_reliable() || region.retained() >= zero_copy_limit {
+    } else if (h.is_reliable() && !shared.sink.lets_frames_go())
+        || region.retained() >= zero_copy_limit
+    {
         payload
     } else {
         0
@@ -571,11 +586,16 @@ fn has_room(
     need == 0 || memory.available() >= need
 }
 
+/// Takes block `j`: retains it (status 2), validates it, and either hands its payload on as is
+/// (zero copy; the block is freed when the last user drops it) or, when `zero_copy_limit` blocks
+/// of this region are already retained, copies the payload and frees the block at once. An
+/// invalid block is freed at once. `zero_copy`: the limit, and whether lossless frames may be
+/// handed on without a copy too ([`FrameSink::lets_frames_go`]).
 fn take_block(
     region: &Arc<dyn Region>,
     j: usize,
     max_device: u8,
-    zero_copy_limit: usize,
+    zero_copy: (usize, bool),
     memory: &Arc<Budget>,
 ) -> std::result::Result<Vec<Packet>, BlockError> {
     let held = region.clone().retain(j);
@@ -596,7 +616,7 @@ fn take_block(
             })
             .collect();
     }
-    take_single(held, region, j, max_device, zero_copy_limit, memory).map(|p| vec![p])
+    take_single(held, region, j, max_device, zero_copy, memory).map(|p| vec![p])
 }
 
 /// Takes a version 1 block (one message, or one fragment of one).
@@ -605,7 +625,7 @@ fn take_single(
     region: &Arc<dyn Region>,
     j: usize,
     max_device: u8,
-    zero_copy_limit: usize,
+    (zero_copy_limit, lossless_in_place): (usize, bool),
     memory: &Arc<Budget>,
 ) -> std::result::Result<Packet, BlockError> {
     let (header, range) = {
@@ -613,21 +633,30 @@ fn take_single(
         let (h, payload) = BlockHeader::decode_block_on(&held, max_device, region.placement())?;
         (h, HEADER_LEN..HEADER_LEN + payload.len())
     };
+    let zero_copy = region.retained() <= zero_copy_limit && header.fragment_count == 1;
     if header.is_reliable() && header.is_last_fragment() {
         // Lossless: the message's last block stays unavailable until the message is durably
-        // handed on (the sender keeps the whole message until it reads this block free). Its
-        // payload is copied, so the block waits only for the acknowledgement, never for a sink
-        // that keeps the frame's memory (which would hold back the sender's send blocks too).
-        let payload = crate::proto::budget::reserved_copy(memory, &held[range])
-            .ok_or(BlockError::OverBudget)?;
-        let (_block, ack) = held.with_ack();
+        // handed on (the sender keeps the whole message until it reads this block free). To a
+        // sink that lets a frame's bytes go when it acknowledges it (the directory output), a
+        // one-block message is handed on as the block itself, like a live frame, while fewer
+        // than `zero_copy_limit` blocks are held: the block is freed once the message is
+        // acknowledged and its bytes are gone, which for such a sink is the same moment.
+        // Otherwise the payload is copied, so the block waits only for the acknowledgement,
+        // never for a sink that keeps the frame's memory.
+        let (block, ack) = held.with_ack();
+        let payload = if zero_copy && lossless_in_place {
+            Bytes::from_owner(crate::transport::HeldBlock(block)).slice(range)
+        } else {
+            crate::proto::budget::reserved_copy(memory, &block[range])
+                .ok_or(BlockError::OverBudget)?
+        };
         return Ok(Packet {
             header,
             payload,
             ack: Some(ack),
         });
     }
-    let payload = if region.retained() <= zero_copy_limit && header.fragment_count == 1 {
+    let payload = if zero_copy {
         Bytes::from_owner(held).slice(range)
     } else {
         tracing::trace!(
@@ -696,5 +725,97 @@ fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
     };
     for r in released {
         publish(shared, name, session, r);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::header::{BlockHeader, NO_PTS, flags};
+    use crate::proto::{Budget, status};
+    use crate::transport::{RegionSettings, SoftRegion, Target};
+
+    /// A lossless one-block frame written into block `j` of `region` (as a tcp NIC would) with
+    /// its status byte FULL.
+    fn lossless_block(region: &SoftRegion, j: usize, payload: &[u8]) {
+        let header = BlockHeader {
+            device: 1,
+            packet: 0,
+            flags: flags::RELIABLE,
+            fragment_index: 0,
+            fragment_count: 1,
+            payload_len: payload.len() as u32,
+            frame_index: 0,
+            timestamp_ns: 0,
+            message_len: payload.len() as u32,
+            duration_ns: 0,
+            pts_ns: NO_PTS,
+        }
+        .sealed_for(region.placement());
+        let size = region.layout().block_size;
+        region
+            .write_with(Target::Blocks, (j * size) as u64, size, |b| {
+                header.encode_block(payload, b);
+                Ok(())
+            })
+            .unwrap()
+            .unwrap();
+        region
+            .write_with(Target::Statuses, j as u64, 1, |b| {
+                b[0] = status::FULL;
+                Ok(())
+            })
+            .unwrap()
+            .unwrap();
+    }
+
+    /// To a sink that lets frames go, a lossless frame is the block itself: no budget taken,
+    /// the block RETAINED while its bytes live even after the acknowledgement, freed when both
+    /// are done. To any other sink it is a copy, and the block is freed once it is acknowledged.
+    /// Unacknowledged, it stays RETAINED either way (the sender keeps the frame).
+    #[test]
+    fn a_lossless_frame_is_handed_on_without_a_copy_only_to_a_sink_that_lets_it_go() {
+        let settings = RegionSettings::plain(4, 4096);
+        let soft = SoftRegion::new(&settings);
+        let region: Arc<dyn Region> = soft.clone();
+        let memory = Budget::new(1 << 20);
+        let payload = vec![7u8; 1000];
+
+        // Zero copy: the payload is the block's memory.
+        lossless_block(&soft, 0, &payload);
+        let mut p = take_block(&region, 0, 8, (2, true), &memory).unwrap();
+        let p = p.pop().unwrap();
+        assert_eq!(&p.payload[..], &payload[..]);
+        assert_eq!(memory.used(), 0, "a zero-copy frame takes no budget");
+        let (data, ack) = (p.payload, p.ack.expect("a lossless frame has an ack"));
+        ack.done();
+        drop(ack);
+        assert_eq!(region.status(0), status::RETAINED, "its bytes still live");
+        drop(data);
+        assert_eq!(region.status(0), status::EMPTY);
+
+        // A copy: the block waits only for the acknowledgement.
+        lossless_block(&soft, 1, &payload);
+        let mut p = take_block(&region, 1, 8, (2, false), &memory).unwrap();
+        let p = p.pop().unwrap();
+        assert_eq!(memory.used(), payload.len(), "a copy takes budget");
+        let (data, ack) = (p.payload, p.ack.unwrap());
+        ack.done();
+        drop(ack);
+        assert_eq!(
+            region.status(1),
+            status::EMPTY,
+            "freed at the acknowledgement"
+        );
+        assert_eq!(&data[..], &payload[..]);
+        drop(data);
+
+        // Never acknowledged: the block stays unavailable, with or without a copy.
+        for (j, lets_go) in [(2, true), (3, false)] {
+            lossless_block(&soft, j, &payload);
+            let p = take_block(&region, j, 8, (2, lets_go), &memory).unwrap();
+            drop(p);
+            assert_eq!(region.status(j), status::RETAINED, "block {j}");
+        }
     }
 }
