@@ -1041,7 +1041,7 @@ struct FrameSteps {
 
 impl FrameSteps {
     fn new() -> FrameSteps {
-        use rdmastream::proto::{BlockHeader, NO_PTS, OVERHEAD};
+        use rdmastream::proto::{BlockHeader, OVERHEAD};
         let payload: Vec<u8> = (0..640 * 480 * 3).map(|i| (i % 251) as u8).collect();
         let kind = rdmastream_app::source::SourceKind::CameraSynthetic {
             width: 640,
@@ -1052,19 +1052,7 @@ impl FrameSteps {
             .expect("camera")
             .frame(7)
             .data;
-        let header = BlockHeader {
-            device: 0,
-            packet: 0,
-            flags: 0,
-            fragment_index: 0,
-            fragment_count: 1,
-            payload_len: payload.len() as u32,
-            frame_index: 0,
-            timestamp_ns: 0,
-            message_len: payload.len() as u32,
-            duration_ns: 0,
-            pts_ns: NO_PTS,
-        };
+        let header = BlockHeader::single(0, payload.len());
         FrameSteps {
             block: vec![0u8; payload.len() + OVERHEAD],
             copy: vec![0u8; payload.len()],

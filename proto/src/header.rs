@@ -154,6 +154,24 @@ pub fn payload_capacity(block_size: usize) -> usize {
 }
 
 impl BlockHeader {
+    /// The header of frame 0 of `device` whose `len` payload bytes fit one block: no flags, no
+    /// times, no PTS (for tests and benchmarks; the filling thread sets every field itself).
+    pub fn single(device: u8, len: usize) -> BlockHeader {
+        BlockHeader {
+            device,
+            packet: 0,
+            flags: 0,
+            fragment_index: 0,
+            fragment_count: 1,
+            payload_len: len as u32,
+            frame_index: 0,
+            timestamp_ns: 0,
+            message_len: len as u32,
+            duration_ns: 0,
+            pts_ns: NO_PTS,
+        }
+    }
+
     /// Writes header, `payload` and trailer into `block` and returns the number of bytes used
     /// (what the sending thread must WRITE). Panics if the block is too small: the filling
     /// thread sizes fragments with [`payload_capacity`], so that is a bug, not bad input.

@@ -731,7 +731,7 @@ fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::header::{BlockHeader, NO_PTS, flags};
+    use crate::proto::header::{BlockHeader, flags};
     use crate::proto::{Budget, status};
     use crate::transport::{RegionSettings, SoftRegion, Target};
 
@@ -739,17 +739,8 @@ mod tests {
     /// its status byte FULL.
     fn lossless_block(region: &SoftRegion, j: usize, payload: &[u8]) {
         let header = BlockHeader {
-            device: 1,
-            packet: 0,
             flags: flags::RELIABLE,
-            fragment_index: 0,
-            fragment_count: 1,
-            payload_len: payload.len() as u32,
-            frame_index: 0,
-            timestamp_ns: 0,
-            message_len: payload.len() as u32,
-            duration_ns: 0,
-            pts_ns: NO_PTS,
+            ..BlockHeader::single(1, payload.len())
         }
         .sealed_for(region.placement());
         let size = region.layout().block_size;
