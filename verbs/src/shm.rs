@@ -6,9 +6,10 @@
 //! transports (Hello, challenge and proofs, admission, the memory budget; data path 2). Once the
 //! sender is admitted, the receiver creates its region as a memfd — the doorbell word at offset
 //! 0, the status array at the Welcome's `status_addr` (64), the memory blocks from its
-//! `blocks_addr` on — seals its size, sends the Welcome and then the memfd itself (SCM_RIGHTS). The sender maps it and from then on plays the NIC
-//! itself: a write chain copies the block's bytes straight into the receiver's block and then
-//! stores the status byte with release ordering; a sync loads the status array with acquire
+//! `blocks_addr` on — seals its size, sends the Welcome and then the memfd itself
+//! (SCM_RIGHTS). The sender maps it and from then on plays the NIC itself: a write chain
+//! copies the block's bytes straight into the receiver's block and then stores the status byte
+//! with release ordering; a sync loads the status array with acquire
 //! ordering; both complete at once (the completion is returned by the next poll). After storing
 //! status bytes it rings the doorbell when the receiver's polling thread waits on it (a futex on
 //! the shared word), so an idle receiver sees a block at once instead of after its sleep. Each
@@ -33,7 +34,7 @@
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use rustix::thread::futex;
@@ -101,8 +102,6 @@ pub struct ShmRegion {
     layout: RemoteLayout,
     mapping: SharedMapping,
     blocks_at: usize,
-    /// Idle waits the doorbell cut short (for tests and stats).
-    rung: AtomicU64,
     closed: AtomicBool,
     retained: AtomicUsize,
     /// The socket, to end the connection on [`Region::disconnect`].
@@ -116,11 +115,6 @@ impl ShmRegion {
     /// Whether any block's status byte is FULL.
     fn any_full(&self) -> bool {
         (0..self.layout.blocks).any(|j| self.status(j) == status::FULL)
-    }
-
-    /// Idle waits the sender's doorbell ended before their timeout.
-    pub fn rung(&self) -> u64 {
-        self.rung.load(Ordering::Relaxed)
     }
 
     /// The bytes of block `j`.
@@ -156,15 +150,16 @@ impl Region for ShmRegion {
             .status(STATUS_AT + j)
             .store(value, Ordering::Release)
     }
+    /// The sender rings the doorbell after every status byte it stores.
+    fn wakes(&self) -> bool {
+        true
+    }
     /// Waits on the doorbell. Before each wait the word is set to [`ASLEEP`] and, after a
     /// sequentially consistent fence, the status array is looked at once more: a status byte
     /// the sender stored before it could see the word is found here, and one it stores after
     /// finds the word set and rings (the sender fences between its store and its look at the
     /// word). The word is only a hint from the sender: a wake with nothing FULL waits again, at
     /// most [`EMPTY_WAKES`] times, then the rest is slept out plainly.
-    fn wakes(&self) -> bool {
-        true
-    }
     fn wait(&self, timeout: Duration) {
         let bell = self.mapping.word(DOORBELL_AT);
         let deadline = Instant::now() + timeout;
@@ -173,9 +168,6 @@ impl Region for ShmRegion {
             bell.store(ASLEEP, Ordering::Relaxed);
             fence(Ordering::SeqCst);
             if self.any_full() {
-                if empty_wakes > 0 && Instant::now() < deadline {
-                    self.rung.fetch_add(1, Ordering::Relaxed);
-                }
                 break;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -312,7 +304,6 @@ fn handshake(
         },
         mapping,
         blocks_at,
-        rung: AtomicU64::new(0),
         closed: AtomicBool::new(false),
         retained: AtomicUsize::new(0),
         side: Mutex::new(side.try_clone().ok()),

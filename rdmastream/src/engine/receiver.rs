@@ -462,6 +462,8 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         (shared.opts.poll_min, shared.opts.poll_spin)
     };
     let mut idle = poll_min;
+    // Lossless frames go to the sink as their blocks too when it lets them go at once.
+    let lossless_in_place = shared.sink.lets_frames_go();
     let mut last_block = Instant::now();
     // Keep at least half the blocks for the sender: beyond that, payloads are copied.
     let zero_copy_limit = n / 2;
@@ -473,7 +475,6 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         let full = scanner.next_full(n, |j| region.status(j));
         let room =
             full.is_none_or(|j| has_room(&shared, &name, &region, j, zero_copy_limit, &memory));
-        let lossless_in_place = shared.sink.lets_frames_go();
         if let (Some(j), true) = (full, room) {
             memory_wait = None;
             let over = region.retained() >= zero_copy_limit;
