@@ -462,19 +462,18 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         (shared.opts.poll_min, shared.opts.poll_spin)
     };
     let mut idle = poll_min;
-    // Lossless frames go to the sink as their blocks too when it lets them go at once.
-    let lossless_in_place = shared.sink.lets_frames_go();
     let mut last_block = Instant::now();
-    // Keep at least half the blocks for the sender: beyond that, payloads are copied.
+    // Keep at least half the blocks for the sender: beyond that, payloads are copied. Lossless
+    // frames go to the sink as their blocks too when it lets them go at once.
     let zero_copy_limit = n / 2;
+    let zero_copy = (zero_copy_limit, shared.sink.lets_frames_go());
     let mut copy_logged = false;
     let mut next_timeout_check = Instant::now();
     loop {
         // Read `closed` before scanning: a block written before the close is then seen.
         let closed = region.is_closed();
         let full = scanner.next_full(n, |j| region.status(j));
-        let room =
-            full.is_none_or(|j| has_room(&shared, &name, &region, j, zero_copy_limit, &memory));
+        let room = full.is_none_or(|j| has_room(&shared, &name, &region, j, zero_copy, &memory));
         if let (Some(j), true) = (full, room) {
             memory_wait = None;
             let over = region.retained() >= zero_copy_limit;
@@ -482,13 +481,7 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
                 tracing::debug!(sender = %name, "{} of {n} blocks are held downstream; copying payloads until some are released", region.retained());
             }
             copy_logged = over;
-            let packets = take_block(
-                &region,
-                j,
-                shared.opts.max_device,
-                (zero_copy_limit, lossless_in_place),
-                &memory,
-            );
+            let packets = take_block(&region, j, shared.opts.max_device, zero_copy, &memory);
             shared.blocks.fetch_add(1, Ordering::Relaxed);
             match packets {
                 // A coalesced block's messages, in block order, each as if it came alone.
@@ -545,14 +538,15 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
 
 /// Whether this sender's memory share has room for what taking block `j` costs: nothing for a
 /// single-block frame handed on as the block itself; for a copy, its payload; for a fragment of
-/// a larger frame, its copy plus what the reassembly buffer may grow by. An invalid block costs
+/// a larger frame, its copy plus what the reassembly buffer may grow by (`zero_copy` as for
+/// [`take_block`], so the two agree on what is copied). An invalid block costs
 /// nothing (it is freed at once).
 fn has_room(
     shared: &Shared,
     name: &str,
     region: &Arc<dyn Region>,
     j: usize,
-    zero_copy_limit: usize,
+    (zero_copy_limit, lossless_in_place): (usize, bool),
     memory: &Budget,
 ) -> bool {
     let mut header = None;
@@ -577,9 +571,7 @@ fn has_room(
             .get(name)
             .map_or(0, |s| s.session.assembly_bytes(h.device));
         payload + assembling.max(payload)
-    } else if (h.is_reliable() && !shared.sink.lets_frames_go())
-        || region.retained() >= zero_copy_limit
-    {
+    } else if (h.is_reliable() && !lossless_in_place) || region.retained() >= zero_copy_limit {
         payload
     } else {
         0
