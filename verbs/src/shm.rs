@@ -457,7 +457,6 @@ impl Connector for ShmConnector {
             mapping: Arc::new(mapping),
             status_at: status_at.expect("checked"),
             blocks_at: blocks_at.expect("checked"),
-            doorbell: status_at.is_some_and(|s| s >= STATUS_AT),
             blocks: blocks.clone(),
             done: Vec::new(),
             side,
@@ -475,8 +474,6 @@ pub struct ShmConnection {
     mapping: Arc<SharedMapping>,
     status_at: usize,
     blocks_at: usize,
-    /// Whether the region has a doorbell word ([`DOORBELL_AT`]) to ring after status bytes.
-    doorbell: bool,
     blocks: Arc<SendBlocks>,
     /// Completions of work already done, returned by the next poll.
     done: Vec<Completion>,
@@ -548,7 +545,8 @@ impl ShmConnection {
     /// store of ASLEEP before its last look at the status bytes, so one of the two sees the
     /// other. While the receiver is busy the word stays AWAKE and this costs one load.
     fn ring(&self) {
-        if !self.doorbell {
+        // The region has a doorbell word only when the status array leaves room for it.
+        if self.status_at < STATUS_AT {
             return;
         }
         let bell = self.mapping.word(DOORBELL_AT);
