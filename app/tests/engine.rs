@@ -2167,3 +2167,132 @@ fn a_frame_written_into_a_gone_receivers_block_is_dropped_and_the_stream_goes_on
     );
     receiver.stop();
 }
+
+/// One thing a receiver handed on: a frame (index, bytes) or a format (first frame index,
+/// descriptor).
+type Logged = (u64, Result<Vec<u8>, String>);
+
+/// What a receiver hands on, in order.
+#[derive(Default)]
+struct EventLog(std::sync::Mutex<Vec<Logged>>);
+
+impl rdmastream::engine::FrameSink for EventLog {
+    fn handle(
+        &self,
+        _: &rdmastream::engine::StreamKey,
+        _: u64,
+        _: &Arc<rdmastream::stats::DeviceCounters>,
+        event: rdmastream::proto::StreamEvent,
+    ) {
+        use rdmastream::proto::StreamEvent;
+        rdmastream::proto::ack::settle(event.ack());
+        let entry = match event {
+            StreamEvent::Frame(f) => (f.index, Ok(f.data.to_vec())),
+            StreamEvent::Format {
+                frame_index,
+                descriptor,
+                ..
+            } => (frame_index, Err(String::from_utf8(descriptor).unwrap())),
+            StreamEvent::EndOfStream { .. } => return,
+        };
+        self.0.lock().unwrap().push(entry);
+    }
+}
+
+/// A lossy device's committed frame skips the filling thread when nothing needs it there: no
+/// format due, nothing of the device queued before it, no small messages held. It is sealed on
+/// the committing thread and handed straight to the sending thread, and still arrives in order
+/// with the pushed frames around it and behind the format changes it needs (those frames go
+/// through the filling thread). Over mem (in-place send blocks) and shm (the receiver's own
+/// blocks, lent).
+#[test]
+fn committed_frames_skip_the_filling_thread_and_keep_order_and_formats() {
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(8, 4096, vec![]));
+    skip_the_filling_thread(Box::new(listener), Box::new(fabric.connector("rx")));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    skip_the_filling_thread(
+        Box::new(listener),
+        Box::new(rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap()),
+    );
+}
+
+fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
+    let log = Arc::new(EventLog::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), listener, log.clone()).unwrap();
+    let opts = SenderOptions {
+        name: "direct".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: 4096,
+        in_place_blocks: 2,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, connector, 64).unwrap();
+    // Lossy, but waiting rather than dropping when its queue is full: every frame arrives.
+    let input = s.add_device_with(5, DropPolicy::Block, false);
+    let wait = Duration::from_secs(10);
+    let mut want: Vec<Logged> = Vec::new();
+    let commit = |index: u64, format: &str, want: &mut Vec<_>| {
+        let bytes = Rendered::bytes(index as u8, 100 + index as usize);
+        let mut r = input.reserve(bytes.len(), wait).unwrap();
+        r.payload_mut().copy_from_slice(&bytes);
+        let mut m = meta(index);
+        m.format = format.into();
+        assert!(r.commit(m));
+        want.push((index, Ok(bytes)));
+    };
+    for index in 0..40 {
+        // A new format every 10 frames: its frame goes through the filling thread, which sends
+        // the format ahead of it.
+        let format = format!("application/x-test-{}", index / 10);
+        if index % 10 == 0 {
+            want.push((index, Err(format.clone())));
+        }
+        if index % 7 == 3 {
+            // A pushed frame, and at once a committed one behind it.
+            let bytes = Rendered::bytes(index as u8, 50);
+            let mut frame = octets(index, bytes.clone());
+            frame.format = format.as_str().into();
+            assert!(input.push(frame));
+            want.push((index, Ok(bytes)));
+        } else {
+            commit(index, &format, &mut want);
+        }
+    }
+    let direct = get(&s.counters().device(&5).direct);
+    input.end();
+    assert_eq!(s.finish(Duration::from_secs(20)).unwrap().unsent, 0);
+    assert!(wait_until(wait, || receiver.all_senders_ended()));
+    // Compared as (index, format or length and digest), to keep a failure readable.
+    let brief = |events: &[Logged]| -> Vec<(u64, String)> {
+        events
+            .iter()
+            .map(|(i, e)| match e {
+                Ok(bytes) => {
+                    use std::hash::{Hash, Hasher};
+                    let mut h = std::hash::DefaultHasher::new();
+                    bytes.hash(&mut h);
+                    (
+                        *i,
+                        format!("{} bytes, digest {:016x}", bytes.len(), h.finish()),
+                    )
+                }
+                Err(format) => (*i, format!("format {format}")),
+            })
+            .collect()
+    };
+    assert_eq!(brief(&log.0.lock().unwrap()), brief(&want));
+    // 31 of the 34 committed frames had no format due (0, 20 and 30 had); they went direct
+    // unless the filling thread was busy the moment they were committed.
+    assert!(direct > 0, "no committed frame skipped the filling thread");
+    assert!(
+        direct <= 31,
+        "{direct} frames went direct, some with a format due"
+    );
+    receiver.stop();
+}

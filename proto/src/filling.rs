@@ -117,6 +117,15 @@ impl FillingMachine {
         self.streaming.contains_key(&device)
     }
 
+    /// Whether `device` streams and a frame of it in `format` could be planned now without
+    /// its format going ahead of it ([`FramePlan::format`] would be `None`): the format was
+    /// sent, is unchanged, and no connection dropped since. Changes nothing.
+    pub fn frame_alone(&self, device: u8, format: &str) -> bool {
+        self.streaming.get(&device).is_some_and(|dev| {
+            dev.format.as_deref() == Some(format) && dev.format_epoch == self.drops
+        })
+    }
+
     /// Devices streaming now, in number order.
     pub fn streaming(&self) -> impl Iterator<Item = u8> + '_ {
         self.streaming.keys().copied()
@@ -262,6 +271,35 @@ mod tests {
         m.handle_disconnected();
         assert!(frame(&mut m, 1, "b", 4).format.is_some(), "after a drop");
         assert!(frame(&mut m, 1, "b", 5).format.is_none());
+    }
+
+    /// `frame_alone` says beforehand, without changing anything, what `frame` will plan.
+    #[test]
+    fn frame_alone_predicts_a_plan_without_a_format() {
+        let mut m = FillingMachine::new(BLOCK, 4, 0);
+        assert!(!m.frame_alone(1, "a"), "not streaming");
+        m.add_device(1, false);
+        let steps: [(&str, bool); 6] = [
+            ("a", false),
+            ("a", false),
+            ("b", false),
+            ("b", true),
+            ("b", false),
+            ("b", false),
+        ];
+        for (index, (fmt, drop_first)) in steps.into_iter().enumerate() {
+            if drop_first {
+                m.handle_disconnected();
+            }
+            let alone = m.frame_alone(1, fmt);
+            assert_eq!(m.frame_alone(1, fmt), alone, "asking changes nothing");
+            let p = frame(&mut m, 1, fmt, index as u64);
+            assert_eq!(alone, p.format.is_none(), "step {index}");
+        }
+        assert!(m.frame_alone(1, "b"));
+        assert!(!m.frame_alone(2, "b"), "another device");
+        m.end(1, 9);
+        assert!(!m.frame_alone(1, "b"), "ended");
     }
 
     #[test]

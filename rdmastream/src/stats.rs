@@ -116,6 +116,9 @@ pub struct DeviceCounters {
     /// Sender: frames a source wrote straight into an in-place send block and committed
     /// (`DeviceInput::reserve`), rather than handing them to the filling thread.
     pub in_place: AtomicU64,
+    /// Sender: of those, frames sealed on the committing thread and handed straight to the
+    /// sending thread (the filling thread had nothing to do for them).
+    pub direct: AtomicU64,
     /// Packets given up on (receiver: gaps in packet numbers).
     pub gaps: AtomicU64,
     /// Frames checked against the synthetic reference and found equal / different.

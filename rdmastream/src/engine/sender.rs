@@ -117,7 +117,8 @@ struct Committed {
 }
 
 /// A receiver's memory block the sending thread lent out (shm): the source writes the payload
-/// into it, the filling thread the header and seal, the sending thread posts its status byte.
+/// into it, the filling (or committing) thread the header and seal, the sending thread posts its
+/// status byte.
 struct LentBlock {
     lent: Lent,
     lease: Box<dyn LeasedBlock>,
@@ -194,8 +195,9 @@ pub enum NotReserved {
 }
 
 /// One send block taken for a source to write a frame's payload straight into (the memory the
-/// transport sends from), then [`commit`](Reservation::commit) it: the filling thread writes
-/// the header and seal around it in place, so the frame is never copied. Dropped uncommitted,
+/// transport sends from), then [`commit`](Reservation::commit) it: the header and seal are
+/// written around it in place (by the filling thread, or by `commit` itself), so the frame is
+/// never copied. Dropped uncommitted,
 /// the block goes back to the free list.
 pub struct Reservation {
     block: usize,
@@ -240,9 +242,12 @@ impl Reservation {
         &mut lease.bytes_mut()[HEADER_LEN..HEADER_LEN + self.len]
     }
 
-    /// Hands the written frame to the filling thread, in order with the device's other frames,
-    /// under the device's queue policy (like [`DeviceInput::push`]). False once the sender has
-    /// shut down (the block is then simply let go).
+    /// Hands the written frame on, in order with the device's other frames: straight to the
+    /// sending thread, sealed here, when the filling thread has nothing to do for it (a lossy
+    /// device, no format due, nothing of the device queued; see `DeviceInput::commit_direct`),
+    /// otherwise to the filling thread under the device's queue policy (like
+    /// [`DeviceInput::push`]). False once the sender has shut down (the block is then simply
+    /// let go).
     pub fn commit(mut self, meta: FrameMeta) -> bool {
         // Let go of a send block first: the filling thread locks it to write header and seal.
         // A lent receiver's block goes along with the frame.
@@ -259,7 +264,13 @@ impl Reservation {
         if self.input.stopped.load(Ordering::Acquire) {
             return false; // nothing will be taken any more
         }
-        let sent = self.input.send(Msg::Reserved(committed));
+        let sent = match self.input.commit_direct(committed) {
+            Ok(sent) => {
+                self.input.counters.direct.fetch_add(1, Ordering::Relaxed);
+                sent
+            }
+            Err(committed) => self.input.send(Msg::Reserved(committed)),
+        };
         if sent {
             self.input.counters.in_place.fetch_add(1, Ordering::Relaxed);
         }
@@ -309,6 +320,35 @@ pub struct DeviceInput {
     /// A lossless device: its frames are kept until confirmed, so never written into a lent
     /// receiver's block (the sender would hold no copy to send again).
     reliable: bool,
+    /// For sealing a committed frame here and handing it straight to the sending thread.
+    direct: Direct,
+    /// Set by the filling thread while it reads this input's queue (false before, while the
+    /// device's number still streams for an earlier input, and after its end).
+    admitted: Arc<AtomicBool>,
+}
+
+/// The filling thread's planning state, shared with committing sources: a lossy device's
+/// committed frame whose plan needs nothing of the filling thread (no format ahead of it, no
+/// message of the device queued before it, no small messages held) is sealed on the committing
+/// thread and handed straight to the sending thread, one thread hand-over less per frame
+/// (docs/protocol.md, "Frames written in place").
+struct Filler {
+    machine: FillingMachine,
+    /// Connection drops the machine has been told of.
+    drops_seen: u64,
+    /// The coalescer holds small messages, which a committed frame must follow.
+    holding: bool,
+}
+
+/// What a committing source needs for the direct hand-over (see [`Filler`]).
+#[derive(Clone)]
+struct Direct {
+    filler: Arc<parking_lot::Mutex<Filler>>,
+    filled: Sender<ToSending>,
+    free: FreeLists,
+    placement: Placement,
+    /// Connection drops so far (the filling thread's `drops`).
+    drops: Arc<AtomicU64>,
 }
 
 impl DeviceInput {
@@ -407,6 +447,55 @@ impl DeviceInput {
                 Err(_) => {}
             }
         }
+    }
+
+    /// Seals committed frame `c` here and hands it straight to the sending thread, when nothing
+    /// needs the filling thread first (see [`Filler`]): Ok(false) once the sender stops. Gives
+    /// `c` back otherwise (a lossless device, the planning state busy, a message of this device
+    /// queued, small messages held, a format due, a connection drop not yet planned for), and
+    /// the caller queues it.
+    fn commit_direct(&self, c: Committed) -> Result<bool, Committed> {
+        if self.reliable {
+            return Err(c);
+        }
+        // Busy means the filling thread is at work, maybe on this device: queue behind it.
+        let Some(mut f) = self.direct.filler.try_lock() else {
+            return Err(c);
+        };
+        // The filling thread takes a message out of a queue only while it holds the lock, so
+        // an empty queue here means every earlier message of this device is planned.
+        if !self.admitted.load(Ordering::Acquire)
+            || !self.rx.is_empty()
+            || f.holding
+            || f.drops_seen != self.direct.drops.load(Ordering::Acquire)
+            || !f.machine.frame_alone(self.device, &c.meta.format)
+        {
+            return Err(c);
+        }
+        let times = MessageTimes {
+            timestamp_ns: c.meta.timestamp_ns,
+            duration_ns: c.meta.duration_ns,
+            pts_ns: c.meta.pts_ns.unwrap_or(NO_PTS),
+        };
+        let plan = f
+            .machine
+            .frame(self.device, &c.meta.format, c.meta.index, c.len, times);
+        debug_assert!(plan.format.is_none(), "frame_alone said no format is due");
+        let d = &self.direct;
+        // Handed over under the lock, so the sending thread gets this device's blocks in
+        // packet order.
+        let mut c = c;
+        Ok(match c.lent.take() {
+            Some(lent) => seal_placed(&d.filled, plan.frame, lent, &c, d.placement),
+            None => seal_reserved(
+                &self.blocks,
+                &d.filled,
+                &d.free,
+                plan.frame,
+                &c,
+                d.placement,
+            ),
+        })
     }
 
     /// A reservation of in-place send block `block`.
@@ -552,8 +641,9 @@ enum ToSending {
 }
 
 enum Control {
-    /// A device, its queue, and whether it is lossless.
-    Device(u8, Receiver<Msg>, bool),
+    /// A device, its queue, whether it is lossless, and its input's admitted flag
+    /// ([`DeviceInput::admitted`]).
+    Device(u8, Receiver<Msg>, bool, Arc<AtomicBool>),
 }
 
 /// What a finished sender reports.
@@ -592,6 +682,7 @@ pub struct SenderHandle {
     free_tx: Sender<usize>,
     in_place_blocks: usize,
     lent: LentBlocks,
+    direct: Direct,
 }
 
 impl SenderHandle {
@@ -640,11 +731,27 @@ impl SenderHandle {
         let drops = Arc::new(AtomicU64::new(0));
         let live = Arc::new(parking_lot::Mutex::new(SenderStats::default()));
         let lent = LentBlocks::new();
+        // Lossless messages are kept in the filling thread's blocks only (the in-place ones
+        // are the reservations'): one that needs them all could never be completed.
+        let filler = Arc::new(parking_lot::Mutex::new(Filler {
+            machine: FillingMachine::new(blocks.block_size(), first_in_place, opts.first_packet),
+            drops_seen: 0,
+            holding: false,
+        }));
+        // Blocks are sealed when filled, for whichever connection takes them: the
+        // connector's transport decides how (docs/protocol.md, "Seal by transport").
+        let placement = connector.placement();
+        let direct = Direct {
+            filler: filler.clone(),
+            filled: filled_tx.clone(),
+            free: free_lists.clone(),
+            placement,
+            drops: drops.clone(),
+        };
         let filling = {
-            let (blocks, abort, first_packet, drops, free_lists, in_place, lent) = (
+            let (blocks, abort, drops, free_lists, in_place, lent) = (
                 blocks.clone(),
                 abort.clone(),
-                opts.first_packet,
                 drops.clone(),
                 free_lists.clone(),
                 reserve_rx.clone(),
@@ -657,9 +764,6 @@ impl SenderHandle {
             } else {
                 opts.coalesce_wait
             };
-            // Blocks are sealed when filled, for whichever connection takes them: the
-            // connector's transport decides how (docs/protocol.md, "Seal by transport").
-            let placement = connector.placement();
             spawn("filling", move || {
                 filling_thread(
                     blocks,
@@ -667,7 +771,7 @@ impl SenderHandle {
                     (free_rx, in_place, free_lists),
                     filled_tx,
                     abort,
-                    first_packet,
+                    filler,
                     drops,
                     coalesce_wait,
                     (placement, lent),
@@ -720,6 +824,7 @@ impl SenderHandle {
             free_tx: reserve_tx,
             in_place_blocks,
             lent,
+            direct,
         })
     }
 
@@ -733,8 +838,14 @@ impl SenderHandle {
     /// on, and the sender keeps it until then; `block` devices are, by [`Self::add_device`]).
     pub fn add_device_with(&self, device: u8, policy: DropPolicy, reliable: bool) -> DeviceInput {
         let (tx, rx) = crossbeam_channel::bounded(self.queue_depth);
+        let admitted = Arc::new(AtomicBool::new(false));
         if let Some(c) = &self.control {
-            let _ = c.send(Control::Device(device, rx.clone(), reliable));
+            let _ = c.send(Control::Device(
+                device,
+                rx.clone(),
+                reliable,
+                admitted.clone(),
+            ));
         }
         self.queues.lock().push(rx.clone());
         DeviceInput {
@@ -750,6 +861,8 @@ impl SenderHandle {
             in_place_blocks: self.in_place_blocks,
             lent: self.lent.clone(),
             reliable,
+            direct: self.direct.clone(),
+            admitted,
         }
     }
 
@@ -822,7 +935,7 @@ fn filling_thread(
     free: (Receiver<usize>, Receiver<usize>, FreeLists),
     filled: Sender<ToSending>,
     abort: Arc<AtomicBool>,
-    first_packet: u16,
+    filler: Arc<parking_lot::Mutex<Filler>>,
     drops: Arc<AtomicU64>,
     coalesce_wait: Duration,
     (placement, lent): (Placement, LentBlocks),
@@ -835,7 +948,7 @@ fn filling_thread(
         free,
         filled,
         abort,
-        first_packet,
+        &filler,
         drops,
         &mut coalescer,
         &lost,
@@ -852,21 +965,18 @@ fn filling_loop(
     (free, in_place, free_lists): (Receiver<usize>, Receiver<usize>, FreeLists),
     filled: Sender<ToSending>,
     abort: Arc<AtomicBool>,
-    first_packet: u16,
+    filler: &parking_lot::Mutex<Filler>,
     drops: Arc<AtomicU64>,
     coalescer: &mut Coalescer<Vec<u8>>,
     lost: &std::cell::Cell<u64>,
     (placement, lent): (Placement, &LentBlocks),
 ) {
     let block_size = blocks.block_size();
-    // Lossless messages are kept in this thread's blocks only (the in-place ones are the
-    // reservations'): one that needs them all could never be completed.
-    let mut machine = FillingMachine::new(block_size, free_lists.first_in_place, first_packet);
-    // The queues of streaming devices, and of devices waiting for their number's stream to end.
-    let mut queues: Vec<(u8, Receiver<Msg>)> = Vec::new();
-    let mut waiting: Vec<(u8, Receiver<Msg>)> = Vec::new();
+    // The queues of streaming devices, and of devices waiting for their number's stream to end,
+    // with their inputs' admitted flags.
+    let mut queues: Vec<(u8, Receiver<Msg>, Arc<AtomicBool>)> = Vec::new();
+    let mut waiting: Vec<(u8, Receiver<Msg>, Arc<AtomicBool>)> = Vec::new();
     let mut control_open = true;
-    let mut drops_seen = 0;
     // Takes a free send block; gives up only on abort.
     // Its own blocks first; with none free, an in-place block that is free borrowed (so a
     // sender whose sources do not reserve still fills with every block). It never depends on
@@ -1004,9 +1114,11 @@ fn filling_loop(
             let _ = filled.send(ToSending::Done);
             return;
         }
+        // Committing sources may hand their frames over directly only while nothing is held.
+        filler.lock().holding = coalescer.held() > 0;
         let mut sel = Select::new();
         let control_op = control_open.then(|| sel.recv(&control));
-        for (_, rx) in &queues {
+        for (_, rx, _) in &queues {
             sel.recv(rx);
         }
         let wait = coalescer
@@ -1018,12 +1130,20 @@ fn filling_loop(
             continue;
         };
         let index = op.index();
+        // Held from taking the message until it is planned, handed on and the coalescer's
+        // state is known: a source committing meanwhile queues its frame behind it
+        // (`DeviceInput::commit_direct`).
+        let mut guard = filler.lock();
+        let f = &mut *guard;
         if Some(index) == control_op {
             match op.recv(&control) {
-                Ok(Control::Device(device, rx, reliable)) => {
-                    match machine.add_device(device, reliable) {
-                        Added::Streaming => queues.push((device, rx)),
-                        Added::Waiting => waiting.push((device, rx)),
+                Ok(Control::Device(device, rx, reliable, admitted)) => {
+                    match f.machine.add_device(device, reliable) {
+                        Added::Streaming => {
+                            admitted.store(true, Ordering::Release);
+                            queues.push((device, rx, admitted));
+                        }
+                        Added::Waiting => waiting.push((device, rx, admitted)),
                     }
                 }
                 Err(_) => control_open = false,
@@ -1035,10 +1155,11 @@ fn filling_loop(
         let device = queues[pos].0;
         // After a connection drop the receiver may be a new process: formats go out again.
         let now_drops = drops.load(Ordering::Acquire);
-        if now_drops != drops_seen {
-            drops_seen = now_drops;
-            machine.handle_disconnected();
+        if now_drops != f.drops_seen {
+            f.drops_seen = now_drops;
+            f.machine.handle_disconnected();
         }
+        let machine = &mut f.machine;
         let ok = match msg {
             Msg::Frame(f) => {
                 let times = MessageTimes {
@@ -1093,12 +1214,15 @@ fn filling_loop(
                 }
             }
             Msg::End => {
-                queues.remove(pos);
+                let (_, _, admitted) = queues.remove(pos);
+                admitted.store(false, Ordering::Release);
                 let (end, resumed) = machine.end(device, unix_now_ns());
                 if resumed.is_some()
-                    && let Some(k) = waiting.iter().position(|(d, _)| *d == device)
+                    && let Some(k) = waiting.iter().position(|(d, _, _)| *d == device)
                 {
-                    queues.push(waiting.remove(k));
+                    let next = waiting.remove(k);
+                    next.2.store(true, Ordering::Release);
+                    queues.push(next);
                 }
                 fill(
                     coalescer,
@@ -1112,6 +1236,7 @@ fn filling_loop(
         if !ok {
             return;
         }
+        f.holding = coalescer.held() > 0;
     }
 }
 
