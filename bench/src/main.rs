@@ -60,7 +60,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|transport-tcp|plain-tcp|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-shm-live|engine-shm-place|transport-tcp|plain-tcp|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M] [--block BYTES]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
@@ -198,6 +198,26 @@ fn main() {
                 human(block),
                 rate / 1e6
             );
+        }
+        // A live device over shm (its frames pushed, the filling thread copying each once into a
+        // lent receiver's block; or, `engine-shm-place`, written there by the source), at one
+        // block size.
+        "engine-shm-live" | "engine-shm-place" => {
+            let block = opt("--block", 1048576.0) as usize;
+            let socket = ShmSocket::new("bench");
+            let frames = if what == "engine-shm-place" {
+                Frames::Placed
+            } else {
+                Frames::Live
+            };
+            let rate = block_rate(
+                block,
+                frames,
+                seconds,
+                socket.listen(block),
+                socket.connector(),
+            );
+            println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
         }
         "verbs" => verbs(seconds),
         "frame-cpu" => frame_cpu(),
@@ -694,13 +714,13 @@ fn human(n: usize) -> String {
 fn throughput(secs: f64) {
     println!("== throughput, {secs:.1} s per point, one run; MB/s of block bytes moved ==");
     println!(
-        "   engine: source -> filling thread (copy + seal) -> sending thread -> transport -> polling (validate + copy out)"
+        "   engine: a lossless device: source -> filling thread (copy + seal) -> sending thread -> transport -> polling (validate; the block handed on, freed at the acknowledgement)"
     );
     println!(
         "   engine shm live: the same for a live (lossy) device over shm: the filling thread copies each frame once, into a receiver's block lent to it; no copy out"
     );
     println!(
-        "   eng tcp place: a live device over tcp whose source writes each frame into a send block in place (no user-space copy on either end)"
+        "   eng tcp place: a live device over tcp whose source writes each frame into a send block in place and commits it (sealed on its own thread, straight to the sending thread; no user-space copy on either end)"
     );
     println!(
         "   transport: sending-thread loop over pre-filled blocks -> transport -> polling that frees each block"
