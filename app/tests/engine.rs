@@ -2296,3 +2296,46 @@ fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Conne
     );
     receiver.stop();
 }
+
+/// A frame whose rendering panics, on the filling thread.
+struct Exploding;
+
+impl rdmastream::engine::FrameWriter for Exploding {
+    fn len(&self) -> usize {
+        100
+    }
+    fn write(&self, _: usize, _: &mut [u8]) {
+        panic!("a source's frame writer failed");
+    }
+}
+
+/// When the filling thread dies (here a source's frame writer panics on it), the sending thread
+/// finishes what it has and stops by itself, as it did when the filling thread's end closed its
+/// channel: the devices' inputs, which hand committed frames straight to the sending thread,
+/// hold that channel open now.
+#[test]
+fn the_sending_thread_stops_when_the_filling_thread_dies() {
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 4096, vec![]));
+    let (_sink, receiver) = hoarding(Box::new(listener));
+    let opts = SenderOptions {
+        name: "dies".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: 4096,
+        in_place_blocks: 1,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
+    // Kept alive: it holds a sender of the filling → sending channel.
+    let input = s.add_device_with(1, DropPolicy::Block, false);
+    let mut frame = octets(0, vec![1u8; 10]);
+    frame.data = rdmastream::engine::FrameData::Render(Arc::new(Exploding));
+    assert!(input.push(frame));
+    assert!(
+        wait_until(Duration::from_secs(10), || s.is_finished()),
+        "the sending thread still runs after the filling thread died"
+    );
+    drop(input);
+    receiver.stop();
+}

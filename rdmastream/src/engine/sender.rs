@@ -197,8 +197,7 @@ pub enum NotReserved {
 /// One send block taken for a source to write a frame's payload straight into (the memory the
 /// transport sends from), then [`commit`](Reservation::commit) it: the header and seal are
 /// written around it in place (by the filling thread, or by `commit` itself), so the frame is
-/// never copied. Dropped uncommitted,
-/// the block goes back to the free list.
+/// never copied. Dropped uncommitted, the block goes back to the free list.
 pub struct Reservation {
     block: usize,
     len: usize,
@@ -266,7 +265,9 @@ impl Reservation {
         }
         let sent = match self.input.commit_direct(committed) {
             Ok(sent) => {
-                self.input.counters.direct.fetch_add(1, Ordering::Relaxed);
+                if sent {
+                    self.input.counters.direct.fetch_add(1, Ordering::Relaxed);
+                }
                 sent
             }
             Err(committed) => self.input.send(Msg::Reserved(committed)),
@@ -940,6 +941,16 @@ fn filling_thread(
     coalesce_wait: Duration,
     (placement, lent): (Placement, LentBlocks),
 ) -> u64 {
+    // However this thread ends (a panic included), the sending thread finishes what it has and
+    // closes: committing sources hold senders of the channel too, so its disconnection no
+    // longer says so.
+    struct DoneOnExit(Sender<ToSending>);
+    impl Drop for DoneOnExit {
+        fn drop(&mut self) {
+            let _ = self.0.send(ToSending::Done);
+        }
+    }
+    let _done = DoneOnExit(filled.clone());
     let mut coalescer = Coalescer::new(blocks.block_size(), coalesce_wait);
     let lost = std::cell::Cell::new(0);
     filling_loop(
