@@ -659,9 +659,18 @@ fn a_sink_holding_every_frame_does_not_starve_the_sender() {
     receiver.stop();
 }
 
-/// Records every event per stream, in order.
+/// Records every event per stream, in order: sender, device, what ("format", "frame i",
+/// "end") and its detail (the format's descriptor, the frame's [`digest`]).
 #[derive(Default)]
-struct Events(std::sync::Mutex<Vec<(String, u8, String)>>);
+struct Events(std::sync::Mutex<Vec<(String, u8, String, String)>>);
+
+/// A frame payload's length and hash, to compare frames briefly.
+fn digest(bytes: &[u8]) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::hash::DefaultHasher::new();
+    bytes.hash(&mut h);
+    format!("{} bytes, digest {:016x}", bytes.len(), h.finish())
+}
 
 impl rdmastream::engine::FrameSink for Events {
     fn handle(
@@ -673,15 +682,18 @@ impl rdmastream::engine::FrameSink for Events {
     ) {
         rdmastream::proto::ack::settle(event.ack());
         use rdmastream::proto::StreamEvent as E;
-        let what = match event {
-            E::Format { .. } => "format".to_string(),
-            E::Frame(f) => format!("frame {}", f.index),
-            E::EndOfStream { .. } => "end".to_string(),
+        let (what, detail) = match event {
+            E::Format { descriptor, .. } => (
+                "format".to_string(),
+                String::from_utf8_lossy(&descriptor).into_owned(),
+            ),
+            E::Frame(f) => (format!("frame {}", f.index), digest(&f.data)),
+            E::EndOfStream { .. } => ("end".to_string(), String::new()),
         };
         self.0
             .lock()
             .unwrap()
-            .push((key.sender.clone(), key.device, what));
+            .push((key.sender.clone(), key.device, what, detail));
     }
 }
 
@@ -1112,14 +1124,19 @@ fn coalesced_small_messages_arrive_verified_over_tcp_and_shm() {
     let listener = tcp::listen("127.0.0.1:0", settings(8, 4096, vec![])).unwrap();
     let addr = listener.local_addr();
     run_coalesced(Box::new(listener), Box::new(TcpConnector::new(addr)));
+    let (_dir, listener, connector) = shm_endpoints(settings(8, 4096, vec![]));
+    run_coalesced(listener, connector);
+}
+
+/// A shm receiver's listener on a fresh socket in the returned directory, and a connector to it.
+fn shm_endpoints(
+    settings: RegionSettings,
+) -> (tempfile::TempDir, Box<dyn Listener>, Box<dyn Connector>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("rx.sock");
-    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
-    let addr = listener.local_addr();
-    run_coalesced(
-        Box::new(listener),
-        Box::new(rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap()),
-    );
+    let listener = rdmastream_verbs::shm::listen(&path, settings).unwrap();
+    let connector = rdmastream_verbs::shm::ShmConnector::new(&listener.local_addr()).unwrap();
+    (dir, Box::new(listener), Box::new(connector))
 }
 
 fn run_coalesced(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
@@ -2168,37 +2185,6 @@ fn a_frame_written_into_a_gone_receivers_block_is_dropped_and_the_stream_goes_on
     receiver.stop();
 }
 
-/// One thing a receiver handed on: a frame (index, bytes) or a format (first frame index,
-/// descriptor).
-type Logged = (u64, Result<Vec<u8>, String>);
-
-/// What a receiver hands on, in order.
-#[derive(Default)]
-struct EventLog(std::sync::Mutex<Vec<Logged>>);
-
-impl rdmastream::engine::FrameSink for EventLog {
-    fn handle(
-        &self,
-        _: &rdmastream::engine::StreamKey,
-        _: u64,
-        _: &Arc<rdmastream::stats::DeviceCounters>,
-        event: rdmastream::proto::StreamEvent,
-    ) {
-        use rdmastream::proto::StreamEvent;
-        rdmastream::proto::ack::settle(event.ack());
-        let entry = match event {
-            StreamEvent::Frame(f) => (f.index, Ok(f.data.to_vec())),
-            StreamEvent::Format {
-                frame_index,
-                descriptor,
-                ..
-            } => (frame_index, Err(String::from_utf8(descriptor).unwrap())),
-            StreamEvent::EndOfStream { .. } => return,
-        };
-        self.0.lock().unwrap().push(entry);
-    }
-}
-
 /// A lossy device's committed frame skips the filling thread when nothing needs it there: no
 /// format due, nothing of the device queued before it, no small messages held. It is sealed on
 /// the committing thread and handed straight to the sending thread, and still arrives in order
@@ -2210,18 +2196,12 @@ fn committed_frames_skip_the_filling_thread_and_keep_order_and_formats() {
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(8, 4096, vec![]));
     skip_the_filling_thread(Box::new(listener), Box::new(fabric.connector("rx")));
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("rx.sock");
-    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
-    let addr = listener.local_addr();
-    skip_the_filling_thread(
-        Box::new(listener),
-        Box::new(rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap()),
-    );
+    let (_dir, listener, connector) = shm_endpoints(settings(8, 4096, vec![]));
+    skip_the_filling_thread(listener, connector);
 }
 
 fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
-    let log = Arc::new(EventLog::default());
+    let log = Arc::new(Events::default());
     let receiver =
         ReceiverHandle::start(ReceiverOptions::default(), listener, log.clone()).unwrap();
     let opts = SenderOptions {
@@ -2236,7 +2216,9 @@ fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Conne
     // Lossy, but waiting rather than dropping when its queue is full: every frame arrives.
     let input = s.add_device_with(5, DropPolicy::Block, false);
     let wait = Duration::from_secs(10);
-    let mut want: Vec<Logged> = Vec::new();
+    // What the receiver must hand on, in order: (what, detail) as `Events` records them.
+    let mut want: Vec<(String, String)> = Vec::new();
+    let frame = |index: u64, bytes: &[u8]| (format!("frame {index}"), digest(bytes));
     let commit = |index: u64, format: &str, want: &mut Vec<_>| {
         let bytes = Rendered::bytes(index as u8, 100 + index as usize);
         let mut r = input.reserve(bytes.len(), wait).unwrap();
@@ -2244,22 +2226,22 @@ fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Conne
         let mut m = meta(index);
         m.format = format.into();
         assert!(r.commit(m));
-        want.push((index, Ok(bytes)));
+        want.push(frame(index, &bytes));
     };
     for index in 0..40 {
         // A new format every 10 frames: its frame goes through the filling thread, which sends
         // the format ahead of it.
         let format = format!("application/x-test-{}", index / 10);
         if index % 10 == 0 {
-            want.push((index, Err(format.clone())));
+            want.push(("format".into(), format.clone()));
         }
         if index % 7 == 3 {
             // A pushed frame, and at once a committed one behind it.
             let bytes = Rendered::bytes(index as u8, 50);
-            let mut frame = octets(index, bytes.clone());
-            frame.format = format.as_str().into();
-            assert!(input.push(frame));
-            want.push((index, Ok(bytes)));
+            let mut pushed = octets(index, bytes.clone());
+            pushed.format = format.as_str().into();
+            assert!(input.push(pushed));
+            want.push(frame(index, &bytes));
         } else {
             commit(index, &format, &mut want);
         }
@@ -2268,25 +2250,15 @@ fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Conne
     input.end();
     assert_eq!(s.finish(Duration::from_secs(20)).unwrap().unsent, 0);
     assert!(wait_until(wait, || receiver.all_senders_ended()));
-    // Compared as (index, format or length and digest), to keep a failure readable.
-    let brief = |events: &[Logged]| -> Vec<(u64, String)> {
-        events
-            .iter()
-            .map(|(i, e)| match e {
-                Ok(bytes) => {
-                    use std::hash::{Hash, Hasher};
-                    let mut h = std::hash::DefaultHasher::new();
-                    bytes.hash(&mut h);
-                    (
-                        *i,
-                        format!("{} bytes, digest {:016x}", bytes.len(), h.finish()),
-                    )
-                }
-                Err(format) => (*i, format!("format {format}")),
-            })
-            .collect()
-    };
-    assert_eq!(brief(&log.0.lock().unwrap()), brief(&want));
+    let got: Vec<(String, String)> = log
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.2 != "end")
+        .map(|e| (e.2.clone(), e.3.clone()))
+        .collect();
+    assert_eq!(got, want);
     // 31 of the 34 committed frames had no format due (0, 20 and 30 had); they went direct
     // unless the filling thread was busy the moment they were committed.
     assert!(direct > 0, "no committed frame skipped the filling thread");
