@@ -1,8 +1,10 @@
 //! The buffer pool `rdmasink` proposes upstream: every buffer's memory is the payload area of
 //! one send block, reserved from the core sender ([`rdmastream::engine::Reservation`]), so
 //! upstream writes the frame straight into memory the transport sends from. `render` marks a
-//! buffer of this pool with its frame's metadata; the block is committed (the filling thread
-//! writes header and seal around the payload in place) once the buffer's memory is let go, and
+//! buffer of this pool with its frame's metadata; the block is committed (header and seal
+//! written around the payload in place, on the thread that lets the memory go when the filling
+//! thread has nothing to do for the frame, else by the filling thread) once the buffer's memory
+//! is let go, and
 //! given back unsent if it never was rendered (a flush). Buffers are never recycled: each holds
 //! its block only until it is sent.
 
