@@ -4,9 +4,8 @@
 //! buffer of this pool with its frame's metadata; the block is committed (header and seal
 //! written around the payload in place, on the thread that lets the memory go when the filling
 //! thread has nothing to do for the frame, else by the filling thread) once the buffer's memory
-//! is let go, and
-//! given back unsent if it never was rendered (a flush). Buffers are never recycled: each holds
-//! its block only until it is sent.
+//! is let go, and given back unsent if it never was rendered (a flush). Buffers are never
+//! recycled: each holds its block only until it is sent.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
