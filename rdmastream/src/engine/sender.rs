@@ -116,6 +116,17 @@ struct Committed {
     lent: Option<LentBlock>,
 }
 
+impl Committed {
+    /// The frame's times, as the filling machine plans them.
+    fn times(&self) -> MessageTimes {
+        MessageTimes {
+            timestamp_ns: self.meta.timestamp_ns,
+            duration_ns: self.meta.duration_ns,
+            pts_ns: self.meta.pts_ns.unwrap_or(NO_PTS),
+        }
+    }
+}
+
 /// A receiver's memory block the sending thread lent out (shm): the source writes the payload
 /// into it, the filling (or committing) thread the header and seal, the sending thread posts its
 /// status byte.
@@ -455,7 +466,7 @@ impl DeviceInput {
     /// `c` back otherwise (a lossless device, the planning state busy, a message of this device
     /// queued, small messages held, a format due, a connection drop not yet planned for), and
     /// the caller queues it.
-    fn commit_direct(&self, c: Committed) -> Result<bool, Committed> {
+    fn commit_direct(&self, mut c: Committed) -> Result<bool, Committed> {
         if self.reliable {
             return Err(c);
         }
@@ -473,30 +484,21 @@ impl DeviceInput {
         {
             return Err(c);
         }
-        let times = MessageTimes {
-            timestamp_ns: c.meta.timestamp_ns,
-            duration_ns: c.meta.duration_ns,
-            pts_ns: c.meta.pts_ns.unwrap_or(NO_PTS),
-        };
         let plan = f
             .machine
-            .frame(self.device, &c.meta.format, c.meta.index, c.len, times);
+            .frame(self.device, &c.meta.format, c.meta.index, c.len, c.times());
         debug_assert!(plan.format.is_none(), "frame_alone said no format is due");
         let d = &self.direct;
         // Handed over under the lock, so the sending thread gets this device's blocks in
         // packet order.
-        let mut c = c;
-        Ok(match c.lent.take() {
-            Some(lent) => seal_placed(&d.filled, plan.frame, lent, &c, d.placement),
-            None => seal_reserved(
-                &self.blocks,
-                &d.filled,
-                &d.free,
-                plan.frame,
-                &c,
-                d.placement,
-            ),
-        })
+        Ok(seal_committed(
+            &self.blocks,
+            &d.filled,
+            &d.free,
+            plan.frame,
+            &mut c,
+            d.placement,
+        ))
     }
 
     /// A reservation of in-place send block `block`.
@@ -1111,10 +1113,13 @@ fn filling_loop(
             return;
         }
         // Held small messages whose wait is over go out.
-        if let Some(b) = coalescer.handle_timeout(Instant::now())
-            && !write_batch(&blocks, &take_free, &filled, b, lost)
-        {
-            return;
+        if let Some(b) = coalescer.handle_timeout(Instant::now()) {
+            if !write_batch(&blocks, &take_free, &filled, b, lost) {
+                return;
+            }
+            // Committing sources may hand their frames over directly only while nothing is
+            // held (set after each message below, which is when the coalescer takes some).
+            filler.lock().holding = coalescer.held() > 0;
         }
         if !control_open && queues.is_empty() {
             if let Some(b) = coalescer.flush()
@@ -1125,8 +1130,6 @@ fn filling_loop(
             let _ = filled.send(ToSending::Done);
             return;
         }
-        // Committing sources may hand their frames over directly only while nothing is held.
-        filler.lock().holding = coalescer.held() > 0;
         let mut sel = Select::new();
         let control_op = control_open.then(|| sel.recv(&control));
         for (_, rx, _) in &queues {
@@ -1191,12 +1194,7 @@ fn filling_loop(
                 }) && fill(coalescer, plan.frame, device, &f.data, f.timestamp_ns)
             }
             Msg::Reserved(mut c) => {
-                let times = MessageTimes {
-                    timestamp_ns: c.meta.timestamp_ns,
-                    duration_ns: c.meta.duration_ns,
-                    pts_ns: c.meta.pts_ns.unwrap_or(NO_PTS),
-                };
-                let plan = machine.frame(device, &c.meta.format, c.meta.index, c.len, times);
+                let plan = machine.frame(device, &c.meta.format, c.meta.index, c.len, c.times());
                 let format_ok = plan.format.is_none_or(|m| {
                     let format = bytes::Bytes::copy_from_slice(c.meta.format.as_bytes());
                     fill(
@@ -1211,17 +1209,14 @@ fn filling_loop(
                     // Held small messages go first: a reserved frame never shares its block.
                     let held = coalescer.flush();
                     held.is_none_or(|b| write_batch(&blocks, &take_free, &filled, b, lost))
-                        && match c.lent.take() {
-                            Some(lent) => seal_placed(&filled, plan.frame, lent, &c, placement),
-                            None => seal_reserved(
-                                &blocks,
-                                &filled,
-                                &free_lists,
-                                plan.frame,
-                                &c,
-                                placement,
-                            ),
-                        }
+                        && seal_committed(
+                            &blocks,
+                            &filled,
+                            &free_lists,
+                            plan.frame,
+                            &mut c,
+                            placement,
+                        )
                 }
             }
             Msg::End => {
@@ -1263,6 +1258,23 @@ fn one_block(msg: Option<Message>, c: &Committed) -> Option<Message> {
         );
     }
     msg
+}
+
+/// Writes header and seal around committed frame `c` (planned as `msg`), in its lent receiver's
+/// block or its reserved send block, and hands it to the sending thread. False once the sender
+/// stops.
+fn seal_committed(
+    blocks: &SendBlocks,
+    filled: &Sender<ToSending>,
+    free: &FreeLists,
+    msg: Option<Message>,
+    c: &mut Committed,
+    placement: Placement,
+) -> bool {
+    match c.lent.take() {
+        Some(lent) => seal_placed(filled, msg, lent, c, placement),
+        None => seal_reserved(blocks, filled, free, msg, c, placement),
+    }
 }
 
 /// Writes header and seal around the payload a source wrote into reserved send block
