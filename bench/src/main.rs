@@ -175,19 +175,6 @@ fn main() {
             };
             println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
         }
-        // A live device's frames over tcp, pushed (copied by the filling thread) or written in
-        // place by the source, at one block size.
-        "engine-tcp-live" | "engine-tcp-place" => {
-            let block = opt("--block", 1048576.0) as usize;
-            let (l, c) = loopback_tcp(block);
-            let frames = if what == "engine-tcp-place" {
-                Frames::Placed
-            } else {
-                Frames::Live
-            };
-            let rate = block_rate(block, frames, seconds, l, c);
-            println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
-        }
         // The same over shm: `perf record -g target/release/bench engine-shm --block 65536`.
         "engine-shm" => {
             let block = opt("--block", 1048576.0) as usize;
@@ -199,24 +186,23 @@ fn main() {
                 rate / 1e6
             );
         }
-        // A live device over shm (its frames pushed, the filling thread copying each once into a
-        // lent receiver's block; or, `engine-shm-place`, written there by the source), at one
-        // block size.
-        "engine-shm-live" | "engine-shm-place" => {
+        // A live device's frames over tcp or shm at one block size: pushed (copied by the
+        // filling thread; over shm once, into a lent receiver's block) or, `-place`, written in
+        // place by the source.
+        "engine-tcp-live" | "engine-tcp-place" | "engine-shm-live" | "engine-shm-place" => {
             let block = opt("--block", 1048576.0) as usize;
-            let socket = ShmSocket::new("bench");
-            let frames = if what == "engine-shm-place" {
+            let frames = if what.ends_with("-place") {
                 Frames::Placed
             } else {
                 Frames::Live
             };
-            let rate = block_rate(
-                block,
-                frames,
-                seconds,
-                socket.listen(block),
-                socket.connector(),
-            );
+            let socket = ShmSocket::new("bench");
+            let (l, c) = if what.starts_with("engine-shm") {
+                (socket.listen(block), socket.connector())
+            } else {
+                loopback_tcp(block)
+            };
+            let rate = block_rate(block, frames, seconds, l, c);
             println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
         }
         "verbs" => verbs(seconds),
