@@ -28,10 +28,13 @@ fn chromium() -> Option<PathBuf> {
 /// Runs headless Chromium on `url` with `args` (e.g. `--dump-dom`), giving the page's scripts
 /// `budget_ms` of virtual time; returns its stdout.
 ///
-/// A Chromium that sits for a minute is killed and started again, at most three times: in two
-/// CI runs on this machine its first start idled for 224 s and for about 300 s at no CPU (never
-/// reproduced by hand, where a run takes about 1 s): Chromium waiting on itself, not the page
-/// being slow. Each hang is reported with the end of Chromium's stderr.
+/// A Chromium that sits for a minute is killed and started again, at most three times, and each
+/// hang is reported with the end of Chromium's stderr. Such hangs (224 s, ~300 s, and three
+/// minutes in a row in CI runs; a run takes about 1 s) were the receiver's HTTP server, not
+/// Chromium: `tiny_http` could leave a new connection unread behind kept-alive ones, and a
+/// request Chromium waits for stops its virtual time. The server now gives every connection its
+/// own thread (app/src/http.rs): 15 runs beside two CPU hogs never hung with it; before, one
+/// of 8 runs beside a build hung, its request unread in the receiver's socket.
 fn run_chromium(chrome: &Path, profile: &Path, url: &str, args: &[&str], budget_ms: u32) -> String {
     for attempt in 1..=3 {
         match run_chromium_once(chrome, profile, url, args, budget_ms) {
