@@ -25,6 +25,21 @@ pub enum Error {
         peer: String,
         name: String,
     },
+    /// An element would share a connection or listener that another element of this process
+    /// opened with a different key: one connection (one listener) has one key, so the second
+    /// element's key would be silently ignored.
+    #[error(
+        "{element} has a different key than {first}, which opened {shared}: elements sharing it \
+         must use the same key ({hint})"
+    )]
+    KeyMismatch {
+        element: String,
+        first: String,
+        /// "the connection to PEER as 'NAME'" or "the listener on ADDR".
+        shared: String,
+        /// How to avoid sharing.
+        hint: &'static str,
+    },
     /// Another `rdmasrc` of this process already receives that (sender, device).
     #[error("{what} is already received by {by} on {addr}")]
     RouteTaken {

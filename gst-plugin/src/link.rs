@@ -142,6 +142,9 @@ pub struct SharedSender {
     /// Device number → name of the element streaming it.
     devices: Mutex<BTreeMap<u8, String>>,
     block_size: usize,
+    /// The key the connection authenticates with, and the element that opened it.
+    auth: Option<rdmastream::proto::handshake::Key>,
+    opened_by: String,
 }
 
 impl SharedSender {
@@ -183,6 +186,14 @@ impl DeviceLease {
         let mut senders = SENDERS.lock().unwrap();
         let shared = match senders.get(&req.key) {
             Some(s) if !s.is_finished() => {
+                if s.auth != req.opts.key {
+                    return Err(crate::Error::KeyMismatch {
+                        element: req.element.to_string(),
+                        first: s.opened_by.clone(),
+                        shared: format!("the connection to {} as '{}'", s.key.peer, s.key.name),
+                        hint: "or give it another sender-name",
+                    });
+                }
                 if s.block_size != req.opts.block_size {
                     tracing::warn!(
                         "{}: joining the connection to {} with block-size {} (this element asks \
@@ -205,6 +216,7 @@ impl DeviceLease {
                 let link = Arc::new(LinkState::default());
                 let connector = observed(inner, link.clone());
                 let block_size = req.opts.block_size;
+                let auth = req.opts.key.clone();
                 let opts = SenderOptions {
                     name: req.key.name.clone(),
                     ..req.opts
@@ -222,6 +234,8 @@ impl DeviceLease {
                     link,
                     devices: Mutex::new(BTreeMap::new()),
                     block_size,
+                    auth,
+                    opened_by: req.element.to_string(),
                 });
                 senders.insert(req.key.clone(), shared.clone());
                 shared

@@ -632,6 +632,8 @@ pub struct SharedReceiver {
     settings: RegionSettings,
     /// `poll_spin` and `poll_max` of the receiver.
     poll: (Duration, Duration),
+    /// The element that opened the listener.
+    opened_by: String,
 }
 
 static RECEIVERS: LazyLock<Mutex<HashMap<ListenKey, Arc<SharedReceiver>>>> =
@@ -668,14 +670,20 @@ impl RouteLease {
         let mut receivers = RECEIVERS.lock().unwrap();
         let shared = match receivers.get(&req.key) {
             Some(s) => {
+                if s.settings.access.keys() != req.region.access.keys() {
+                    return Err(crate::Error::KeyMismatch {
+                        element: req.element.to_string(),
+                        first: s.opened_by.clone(),
+                        shared: format!("the listener on {}", s.local_addr),
+                        hint: "or listen on another port",
+                    });
+                }
                 if s.settings.blocks != req.region.blocks
                     || s.settings.block_size != req.region.block_size
                     || s.poll != (req.poll_spin, req.poll_max)
-                    || s.settings.access.keys().is_anonymous()
-                        != req.region.access.keys().is_anonymous()
                 {
                     tracing::warn!(
-                        "{}: sharing the listener on {} with the blocks, block-size, key, \
+                        "{}: sharing the listener on {} with the blocks, block-size, \
                          poll-spin, poll-max and limits of the first element",
                         req.element,
                         s.local_addr
@@ -724,6 +732,7 @@ impl RouteLease {
                     table,
                     settings: req.region.clone(),
                     poll: (req.poll_spin, req.poll_max),
+                    opened_by: req.element.to_string(),
                 });
                 receivers.insert(req.key.clone(), shared.clone());
                 shared

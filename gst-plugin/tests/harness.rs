@@ -358,6 +358,65 @@ fn a_refused_key_is_an_error_naming_the_receiver() {
     assert!(text.contains("authentication failed"), "{text}");
 }
 
+/// One connection (one listener) authenticates with one key: an element that would share one
+/// opened with another key fails to start, naming the element that opened it, instead of its
+/// key being silently ignored.
+#[test]
+fn elements_sharing_a_connection_or_listener_must_share_its_key() {
+    init();
+    let port = free_port();
+    let first_src = src_element(port, 1, &[("key", "listener-key-0123456789".to_value())]);
+    let _rx = src_harness(&first_src);
+    let other_src = src_element(port, 2, &[("key", "another-key-0123456789".to_value())]);
+    let bus = bus_of(&other_src);
+    assert!(other_src.set_state(gst::State::Paused).is_err());
+    let text = error_text(
+        &bus.pop_filtered(&[gst::MessageType::Error])
+            .expect("an error message"),
+    );
+    assert!(text.contains(other_src.name().as_str()), "{text}");
+    assert!(text.contains(first_src.name().as_str()), "{text}");
+    assert!(
+        text.contains("the listener on") && text.contains("same key"),
+        "{text}"
+    );
+    other_src.set_state(gst::State::Null).unwrap();
+    // A second source with the listener's key shares it.
+    let same_src = src_element(port, 3, &[("key", "listener-key-0123456789".to_value())]);
+    let _rx3 = src_harness(&same_src);
+    assert_ne!(same_src.current_state(), gst::State::Null);
+
+    let name = ("sender-name", "edge-keys".to_value());
+    let first_sink = sink_element(
+        port,
+        1,
+        &[name.clone(), ("key", "listener-key-0123456789".to_value())],
+    );
+    let _tx = sink_harness(&first_sink, GRAY);
+    let other_sink = sink_element(
+        port,
+        2,
+        &[name.clone(), ("key", "another-key-0123456789".to_value())],
+    );
+    let bus = bus_of(&other_sink);
+    assert!(other_sink.set_state(gst::State::Paused).is_err());
+    let text = error_text(
+        &bus.pop_filtered(&[gst::MessageType::Error])
+            .expect("an error message"),
+    );
+    assert!(text.contains(other_sink.name().as_str()), "{text}");
+    assert!(text.contains(first_sink.name().as_str()), "{text}");
+    assert!(
+        text.contains(&format!(
+            "the connection to {}:{port} as 'edge-keys'",
+            host()
+        )),
+        "{text}"
+    );
+    assert!(text.contains("sender-name"), "{text}");
+    other_sink.set_state(gst::State::Null).unwrap();
+}
+
 #[test]
 fn an_unreachable_receiver_without_reconnect_fails_the_state_change() {
     init();

@@ -16,7 +16,7 @@ use crate::proto::handshake::{Hello, Key};
 
 /// The keys of a receiver: one per sender name, and optionally one shared by every name.
 /// Without any key the receiver is anonymous (anyone may connect under any free name).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Keys {
     per_sender: HashMap<String, Key>,
     shared: Option<Key>,
