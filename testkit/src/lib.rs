@@ -64,13 +64,26 @@ pub fn bin(name: &str) -> PathBuf {
     )
 }
 
-/// A free TCP port on loopback.
+/// A free TCP port on loopback, never one this process was given before.
+///
+/// The kernel may hand the same ephemeral port to two `bind(0)` calls once the first socket is
+/// closed, and tests running in parallel in one process would then share it: over tcp one of
+/// them fails to bind, but over the `mem` transport, where the port only names a fabric entry
+/// that a second `listen` replaces, two tests silently talk to each other's elements.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// Starts `bin` with `args` in the workspace root, stdout and stderr to `log`, `RUST_LOG=info`.
