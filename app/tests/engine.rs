@@ -817,7 +817,10 @@ fn a_new_receiver_gets_the_format_again_after_a_reconnect() {
                 *index += 1;
                 sink.0.lock().unwrap().len() >= target
             }),
-            "frames did not arrive"
+            "frames did not arrive within 20 s ({} pushed; sender: {:?}); the receiver has: {:?}",
+            *index,
+            s.machine_stats(),
+            sink.0.lock().unwrap().iter().map(|e| &e.2).collect::<Vec<_>>()
         );
     };
     push_until(&first, 5, &mut index);
