@@ -20,12 +20,15 @@
 //! in-flight ones, oldest first; the receiver drops what it already has.
 //!
 //! The remote status cache (the paper's "second status byte memory block") is only ever
-//! refreshed by a whole-array READ (the sync), posted when the cache shows no free block, or when
-//! nothing else can move and unconfirmed blocks wait for their acknowledgement. The READ
-//! may overtake write chains that are still outstanding (their status byte may not be placed yet,
-//! so the READ can see a stale 0): every block written by a chain that had not completed when the
-//! READ was posted stays 1 in the cache whatever the READ returned, until a later sync. A block
-//! the cache shows as 0 really is free (only the sender turns a 0 into anything else — see
+//! refreshed by a whole-array READ (the sync), posted when the cache shows no free block, early
+//! (with the write that leaves a quarter of the blocks free, at most `max_outstanding`:
+//! [`SenderStats::early_syncs`]), or when nothing else can move and unconfirmed blocks wait for
+//! their acknowledgement. Writes go on into blocks the cache shows free while the READ is on its
+//! way. The READ may overtake write chains that are still outstanding, and race those posted
+//! after it (their status byte may not be placed yet, so the READ can see a stale 0): every block
+//! written by a chain that had not completed when the READ was posted, or that was posted while
+//! it was outstanding, stays 1 in the cache whatever the READ returned, until a later sync. A
+//! block the cache shows as 0 really is free (only the sender turns a 0 into anything else — see
 //! docs/protocol.md), so writes never depend on a READ that has not completed.
 //!
 //! **Lent remote blocks** (transports whose sender can write the receiver's memory directly, i.e.
@@ -117,6 +120,9 @@ pub struct SenderStats {
     pub placed: u64,
     /// Blocks placed in a lent block of a connection that had dropped: not delivered.
     pub stale_placed: u64,
+    /// Syncs asked for while the cache still showed free blocks (at most a quarter of the
+    /// receiver's), so writes go on while the READ is on its way.
+    pub early_syncs: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -523,7 +529,8 @@ impl SenderMachine {
     pub fn poll_action(&mut self, now: Instant) -> Option<Action> {
         let layout = self.layout?;
         match self.sync {
-            Sync::InFlight(..) => return None,
+            // Writes go on into blocks the cache shows free while the sync is on its way.
+            Sync::InFlight(..) => {}
             Sync::RetryAt(t) if now < t => return None,
             Sync::RetryAt(_) => self.sync = Sync::Needed,
             Sync::Needed | Sync::Idle => {}
@@ -535,11 +542,17 @@ impl SenderMachine {
                 SyncFor::Block
             });
         }
-        if self.queue.is_empty() && self.in_flight.is_empty() && !self.unconfirmed.is_empty() {
+        let syncing = matches!(self.sync, Sync::InFlight(..));
+        if !syncing
+            && self.queue.is_empty()
+            && self.in_flight.is_empty()
+            && !self.unconfirmed.is_empty()
+        {
             // Nothing to write and nothing in flight: only acknowledgements can free send blocks.
             return self.try_sync(SyncFor::Confirmations);
         }
-        if self.queue.is_empty()
+        if !syncing
+            && self.queue.is_empty()
             && self.in_flight.is_empty()
             && self.lent.len() < self.lend_cap()
             && !self.has_free_block()
@@ -566,6 +579,13 @@ impl SenderMachine {
                 self.remote[j] = status::FULL;
                 self.cursor = (j + 1) % layout.blocks;
                 let (wr_id, filled) = self.start_chain(j);
+                if !syncing && self.free_in_cache() <= self.low_water() {
+                    // Few free blocks left: read the statuses now, while these are written, so
+                    // that the answer is back before the cache runs dry (the next call posts
+                    // the sync).
+                    self.sync = Sync::Needed;
+                    self.stats.early_syncs += 1;
+                }
                 Some(Action::Write {
                     wr_id,
                     send_block: filled.send_block,
@@ -573,6 +593,7 @@ impl SenderMachine {
                     len: filled.len,
                 })
             }
+            None if syncing => None,
             None => {
                 self.sync = Sync::Needed;
                 self.try_sync(SyncFor::Block)
@@ -580,10 +601,28 @@ impl SenderMachine {
         }
     }
 
+    /// Blocks the cache shows free.
+    fn free_in_cache(&self) -> usize {
+        self.remote.iter().filter(|&&b| b == status::EMPTY).count()
+    }
+
+    /// With this many free blocks left in the cache, a write asks for a sync at once
+    /// ([`SenderStats::early_syncs`]): a quarter of the receiver's blocks, at most the chains
+    /// that may be in flight; none with fewer than four blocks (a sync when none is left, as
+    /// the paper's sender does).
+    fn low_water(&self) -> usize {
+        (self.remote.len() / 4).min(self.max_outstanding)
+    }
+
     /// The next queued block goes out in a chain into remote block `j`: in flight from now on.
     fn start_chain(&mut self, j: usize) -> (u64, Filled) {
         let filled = self.queue.pop_front().expect("queue is not empty");
         let wr_id = self.take_wr_id();
+        if matches!(self.sync, Sync::InFlight(..)) {
+            // The sync in flight may read this block's status before or after this chain
+            // writes it: it stays FULL in the cache whatever the READ returns.
+            self.unsure.push(j);
+        }
         self.in_flight.push_back(InFlight {
             wr_id,
             filled,
@@ -723,14 +762,68 @@ mod tests {
         for i in 0..2 {
             m.handle_filled(i, 10, Delivery::Unconfirmed);
         }
+        // (With one free block left the second write asks for an early sync.)
         let blocks: Vec<_> = std::iter::from_fn(|| m.poll_action(now))
-            .map(|a| match a {
-                Action::Write { remote_block, .. } => remote_block,
+            .filter_map(|a| match a {
+                Action::Write { remote_block, .. } => Some(remote_block),
+                Action::Sync { .. } => None,
                 other => panic!("{other:?}"),
             })
             .collect();
         assert_eq!(blocks, vec![1, 3]);
         assert!(m.stats().retained_skipped >= 1);
+    }
+
+    /// With a quarter of the blocks (at most the chains in flight) left free in the cache, a
+    /// write asks for a sync at once; writes go on into the cache's free blocks while it is on
+    /// its way, and every block written before or during it stays FULL whatever it read.
+    #[test]
+    fn an_early_sync_lets_writes_go_on_and_keeps_their_blocks_full() {
+        let (mut m, now) = connected(16, 16);
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_sync_completed(now, wr_id, &[0; 16]);
+        for i in 0..14 {
+            m.handle_filled(i, 10, Delivery::Unconfirmed);
+        }
+        let actions: Vec<_> = std::iter::from_fn(|| m.poll_action(now)).collect();
+        let shown: Vec<String> = actions
+            .iter()
+            .map(|a| match a {
+                Action::Write { remote_block, .. } => format!("w{remote_block}"),
+                Action::Sync { .. } => "sync".into(),
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let want: Vec<String> = (0..12)
+            .map(|j| format!("w{j}"))
+            .chain(["sync".to_string(), "w12".into(), "w13".into()])
+            .collect();
+        assert_eq!(shown, want, "the sync goes out with four blocks left");
+        assert_eq!(m.stats().early_syncs, 1);
+        let Action::Sync { wr_id } = actions[12] else {
+            panic!()
+        };
+        // The chains complete. The READ reads blocks 0-5 freed by the receiver (they stay FULL
+        // in the cache all the same: their chains were in flight when it was posted), and
+        // 12-15 EMPTY: it overtook the writes into 12 and 13.
+        for a in &actions {
+            if let Action::Write { wr_id, .. } = a {
+                m.handle_write_completed(*wr_id);
+            }
+        }
+        let mut read = [1u8; 16];
+        read[..6].fill(0);
+        read[12..].fill(0);
+        m.handle_sync_completed(now, wr_id, &read);
+        let mut want = [1u8; 16];
+        want[14..].fill(0);
+        assert_eq!(
+            m.remote_cache(),
+            &want,
+            "blocks written before or during the sync stay FULL"
+        );
     }
 
     #[test]
@@ -918,9 +1011,11 @@ mod tests {
         for i in 0..3 {
             m.handle_filled(i, 10, Delivery::Confirmed { last: true });
         }
+        // (The third write leaves one free block and asks for an early sync.)
         let ids: Vec<u64> = std::iter::from_fn(|| m.poll_action(now))
-            .map(|a| match a {
-                Action::Write { wr_id, .. } => wr_id,
+            .filter_map(|a| match a {
+                Action::Write { wr_id, .. } => Some(wr_id),
+                Action::Sync { .. } => None,
                 other => panic!("{other:?}"),
             })
             .collect();
@@ -956,7 +1051,9 @@ mod tests {
         for i in 0..3 {
             m.handle_filled(i, 10, Delivery::Unconfirmed);
         }
-        let ids: Vec<_> = std::iter::from_fn(|| m.poll_action(now)).collect();
+        let ids: Vec<_> = std::iter::from_fn(|| m.poll_action(now))
+            .filter(|a| !matches!(a, Action::Sync { .. }))
+            .collect();
         assert_eq!(ids.len(), 3);
         let Action::Write { wr_id: first, .. } = ids[0] else {
             panic!()
@@ -1004,17 +1101,29 @@ mod tests {
         assert_eq!((a.remote_block, b.remote_block), (0, 1));
         assert_eq!(m.lend(), None, "at most a quarter of the remote blocks");
         assert_eq!(m.lent_out(), 2);
-        // Six writes go to the six other blocks, then a sync (which reads the lent blocks
-        // EMPTY: nothing was posted for them).
+        // Six writes go to the six other blocks, with an early sync once two are left (which
+        // reads the lent blocks EMPTY: nothing was posted for them).
         for i in 5..12 {
             m.handle_filled(i, 10, Delivery::Unconfirmed);
         }
         let writes: Vec<_> = std::iter::from_fn(|| m.poll_action(now)).collect();
-        let Some(Action::Sync { wr_id }) = writes.last().copied() else {
+        let syncs: Vec<u64> = writes
+            .iter()
+            .filter_map(|a| match a {
+                Action::Sync { wr_id } => Some(*wr_id),
+                _ => None,
+            })
+            .collect();
+        let [wr_id] = syncs[..] else {
             panic!("{writes:?}")
         };
-        let targets: Vec<usize> = writes[..writes.len() - 1]
+        assert!(
+            matches!(writes[4], Action::Sync { .. }),
+            "early sync after four writes: {writes:?}"
+        );
+        let targets: Vec<usize> = writes
             .iter()
+            .filter(|a| !matches!(a, Action::Sync { .. }))
             .map(|w| match w {
                 Action::Write {
                     wr_id,
@@ -1028,8 +1137,9 @@ mod tests {
             })
             .collect();
         assert_eq!(targets, vec![2, 3, 4, 5, 6, 7], "a lent block was written");
-        // That sync overtook the writes (they stay FULL too); the next one, posted after they
-        // completed, finds their blocks freed by the receiver, and the lent ones still FULL.
+        // That sync overtook the writes posted before it and raced those posted after it (they
+        // all stay FULL too); the next one, posted after they completed, finds their blocks
+        // freed by the receiver, and the lent ones still FULL.
         m.handle_sync_completed(now, wr_id, &[0; 8]);
         assert_eq!(m.remote_cache(), &[1; 8], "lent blocks stay FULL");
         assert_eq!(m.poll_action(now), None, "backs off");
@@ -1096,25 +1206,39 @@ mod tests {
             None,
             "four queued blocks need the four free blocks"
         );
+        let mut early = None;
         let posted: Vec<u64> = std::iter::from_fn(|| match m.poll_action(now) {
-            Some(Action::Write { wr_id, .. }) => Some(wr_id),
+            Some(Action::Write { wr_id, .. }) => Some(Some(wr_id)),
+            Some(Action::Sync { wr_id }) => {
+                early = Some(wr_id);
+                Some(None)
+            }
             None => None,
             Some(other) => panic!("{other:?}"),
         })
+        .flatten()
         .collect();
         assert_eq!(posted.len(), 3, "three chains at most are outstanding");
+        let early = early.expect("an early sync with one free block left");
         assert_eq!(m.lend(), None, "one queued block needs the one free block");
         for id in posted {
             m.handle_write_completed(id);
         }
+        // The last block is written while the early sync is on its way.
         let Some(Action::Write { wr_id, .. }) = m.poll_action(now) else {
             panic!()
         };
         m.handle_write_completed(wr_id);
+        assert_eq!(m.poll_action(now), None, "one sync at a time");
+        // Every block was written before or during that sync: all stay FULL, and with
+        // nothing free it backs off.
+        m.handle_sync_completed(now, early, &[0; 4]);
+        assert_eq!(m.remote_cache(), &[1; 4]);
         // Nothing queued, nothing free in the cache: a sync for blocks to lend; the receiver
         // freed block 0 meanwhile.
         assert_eq!(m.lend(), None);
-        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+        let t = m.poll_timeout().expect("backoff");
+        let Some(Action::Sync { wr_id }) = m.poll_action(t) else {
             panic!()
         };
         m.handle_sync_completed(now, wr_id, &[0, 1, 1, 1]);

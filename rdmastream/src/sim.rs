@@ -206,6 +206,8 @@ pub struct SimReport {
     /// Per device: frames dropped at the source queue (they add up to `dropped`).
     pub dropped_by_device: BTreeMap<u8, u64>,
     pub syncs: u64,
+    /// Syncs asked for while the cache still showed free blocks (the sender's `early_syncs`).
+    pub early_syncs: u64,
     pub retained_skipped: u64,
     pub gap_packets: u64,
     pub duplicates: u64,
@@ -643,6 +645,7 @@ impl Pair {
     fn finish_stats(&mut self) {
         let stats = self.machine.stats();
         self.report.syncs = stats.syncs;
+        self.report.early_syncs = stats.early_syncs;
         self.report.retained_skipped = stats.retained_skipped;
         if let Some(w) = &self.window {
             self.report.window_full = w.sender.stats().window_full;

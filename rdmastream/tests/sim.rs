@@ -356,6 +356,27 @@ fn sync_is_not_overtaken_by_slow_writes() {
     assert_complete(&cfg, &r);
 }
 
+/// The same with early syncs: writes posted while a sync is on its way are placed after it read
+/// their status bytes (it reads them 0), and must not be written again before a later sync.
+/// (Without the rule that keeps them FULL in the cache, this fails on the simulator's check that
+/// no block is written while its status byte is not 0.)
+#[test]
+fn writes_during_an_early_sync_are_not_overwritten() {
+    let cfg = SimConfig {
+        remote_blocks: 8,
+        send_blocks: 24,
+        max_outstanding: 4,
+        write_latency: Duration::from_micros(200),
+        read_latency: Duration::from_micros(10),
+        process_time: Duration::from_micros(20),
+        devices: vec![dev(0, 100, 400, 10), dev(1, 3000, 200, 20)],
+        ..Default::default()
+    };
+    let r = run(&cfg, LIMIT);
+    assert_complete(&cfg, &r);
+    assert!(r.early_syncs > 10, "{} early syncs", r.early_syncs);
+}
+
 #[test]
 fn formats_go_ahead_of_their_frames_across_changes_and_reconnects() {
     let mut d0 = dev(0, 300, 300, 10);
