@@ -820,7 +820,12 @@ fn a_new_receiver_gets_the_format_again_after_a_reconnect() {
             "frames did not arrive within 20 s ({} pushed; sender: {:?}); the receiver has: {:?}",
             *index,
             s.machine_stats(),
-            sink.0.lock().unwrap().iter().map(|e| &e.2).collect::<Vec<_>>()
+            sink.0
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|e| &e.2)
+                .collect::<Vec<_>>()
         );
     };
     push_until(&first, 5, &mut index);
