@@ -579,7 +579,8 @@ impl SenderMachine {
                 self.remote[j] = status::FULL;
                 self.cursor = (j + 1) % layout.blocks;
                 let (wr_id, filled) = self.start_chain(j);
-                if !syncing && self.free_in_cache() <= self.low_water() {
+                let low_water = self.low_water();
+                if !syncing && low_water > 0 && self.free_in_cache() <= low_water {
                     // Few free blocks left: read the statuses now, while these are written, so
                     // that the answer is back before the cache runs dry (the next call posts
                     // the sync).
