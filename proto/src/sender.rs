@@ -226,6 +226,8 @@ pub struct SenderMachine {
     max_lent: usize,
     /// Placed blocks done with: (ticket, whether its status byte was written).
     placed_done: VecDeque<(u64, bool)>,
+    /// Whether syncs are asked for early ([`SenderMachine::set_early_sync`]).
+    early_sync: bool,
 }
 
 /// Shortest and longest wait between two syncs that found no free block.
@@ -256,7 +258,15 @@ impl SenderMachine {
             lent: Vec::new(),
             max_lent: 0,
             placed_done: VecDeque::new(),
+            early_sync: true,
         }
+    }
+
+    /// Whether a write that leaves few free blocks in the cache asks for a sync at once (the
+    /// default: see the module docs), or syncs wait until the cache shows none free, as the
+    /// paper's sender does. The driver sets it from the connection each turn.
+    pub fn set_early_sync(&mut self, on: bool) {
+        self.early_sync = on;
     }
 
     /// Lets the machine lend up to `n` remote blocks at once to be written in place (zero, the
@@ -612,6 +622,9 @@ impl SenderMachine {
     /// that may be in flight; none with fewer than four blocks (a sync when none is left, as
     /// the paper's sender does).
     fn low_water(&self) -> usize {
+        if !self.early_sync {
+            return 0;
+        }
         (self.remote.len() / 4).min(self.max_outstanding)
     }
 
@@ -825,6 +838,29 @@ mod tests {
             &want,
             "blocks written before or during the sync stay FULL"
         );
+    }
+
+    /// Without early syncs (verbs), the sender syncs only when the cache shows no free block.
+    #[test]
+    fn without_early_syncs_the_cache_runs_dry_first() {
+        let (mut m, now) = connected(16, 32);
+        m.set_early_sync(false);
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!()
+        };
+        m.handle_sync_completed(now, wr_id, &[0; 16]);
+        for i in 0..17 {
+            m.handle_filled(i, 10, Delivery::Unconfirmed);
+        }
+        let actions: Vec<_> = std::iter::from_fn(|| m.poll_action(now)).collect();
+        assert_eq!(actions.len(), 17, "{actions:?}");
+        assert!(
+            actions[..16]
+                .iter()
+                .all(|a| matches!(a, Action::Write { .. }))
+        );
+        assert!(matches!(actions[16], Action::Sync { .. }));
+        assert_eq!(m.stats().early_syncs, 0);
     }
 
     #[test]

@@ -343,6 +343,9 @@ struct SimConnection {
 }
 
 impl Connection for SimConnection {
+    fn syncs_early(&self) -> bool {
+        true
+    }
     fn peer(&self) -> &str {
         "simulated receiver"
     }

@@ -853,6 +853,10 @@ impl Connection for VerbsConnection {
     ) -> Option<Box<dyn rdmastream::transport::LeasedBlock>> {
         None
     }
+    /// Off until measured on a real NIC (see the trait).
+    fn syncs_early(&self) -> bool {
+        false
+    }
     fn take_notices(&mut self) -> Vec<Notice> {
         self.side_state.take_notices()
     }

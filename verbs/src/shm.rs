@@ -572,6 +572,9 @@ impl Drop for ShmConnection {
 }
 
 impl Connection for ShmConnection {
+    fn syncs_early(&self) -> bool {
+        true
+    }
     fn peer(&self) -> &str {
         &self.peer
     }

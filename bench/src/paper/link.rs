@@ -213,6 +213,9 @@ impl Connection for Counted {
     ) -> Option<Box<dyn rdmastream::transport::LeasedBlock>> {
         self.inner.lend_block(remote_block)
     }
+    fn syncs_early(&self) -> bool {
+        self.inner.syncs_early()
+    }
 }
 
 /// The status-byte mechanism between a connector and a listener.

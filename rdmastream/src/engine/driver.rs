@@ -52,6 +52,7 @@ impl Driver {
     ) -> Result<Turn> {
         // Remote blocks are the receiver's size, which may exceed the sender's blocks.
         let block_size = conn.layout().block_size;
+        machine.set_early_sync(conn.syncs_early());
         let mut turn = Turn::default();
         let t = now();
         while let Some(action) = machine.poll_action(t) {

@@ -208,6 +208,9 @@ impl Drop for MemConnection {
 }
 
 impl Connection for MemConnection {
+    fn syncs_early(&self) -> bool {
+        true
+    }
     fn peer(&self) -> &str {
         &self.peer
     }

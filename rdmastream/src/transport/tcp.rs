@@ -1151,6 +1151,9 @@ fn write_slices(
 }
 
 impl Connection for TcpConnection {
+    fn syncs_early(&self) -> bool {
+        true
+    }
     fn peer(&self) -> &str {
         &self.peer
     }
