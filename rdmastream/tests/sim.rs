@@ -364,8 +364,9 @@ fn sync_is_not_overtaken_by_slow_writes() {
 fn writes_during_an_early_sync_are_not_overwritten() {
     let cfg = SimConfig {
         remote_blocks: 8,
+        block_size: 1 << 20,
         send_blocks: 24,
-        max_outstanding: 4,
+        max_outstanding: 8,
         write_latency: Duration::from_micros(200),
         read_latency: Duration::from_micros(10),
         process_time: Duration::from_micros(20),
