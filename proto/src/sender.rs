@@ -21,8 +21,9 @@
 //!
 //! The remote status cache (the paper's "second status byte memory block") is only ever
 //! refreshed by a whole-array READ (the sync), posted when the cache shows no free block, early
-//! (with the write that leaves a quarter of the blocks free, at most `max_outstanding`:
-//! [`SenderStats::early_syncs`]), or when nothing else can move and unconfirmed blocks wait for
+//! (with the write that leaves a quarter of the blocks free, at most `max_outstanding`, for
+//! blocks of [`EARLY_SYNC_MIN_BLOCK`] and more: [`SenderStats::early_syncs`]), or when nothing
+//! else can move and unconfirmed blocks wait for
 //! their acknowledgement. Writes go on into blocks the cache shows free while the READ is on its
 //! way. The READ may overtake write chains that are still outstanding, and race those posted
 //! after it (their status byte may not be placed yet, so the READ can see a stale 0): every block
