@@ -301,7 +301,7 @@ impl SenderMachine {
         }
         // Queued blocks come first: lend only a block none of them needs.
         let needed = self.queue.iter().filter(|f| f.placed.is_none()).count();
-        let free = self.remote.iter().filter(|&&b| b == status::EMPTY).count();
+        let free = self.free_in_cache();
         if free <= needed {
             return None;
         }
