@@ -225,13 +225,26 @@ impl Lease {
     }
 }
 
+/// The lease ends the connection it was attached to: a connection is over once its lease is
+/// gone. Normally the receiver's polling thread has disconnected the region already; but an
+/// accepted connection that no polling thread ever took (the listener dropped with it still
+/// queued, or its handshake finished after the receiver stopped accepting) would otherwise keep
+/// its NIC thread answering the sender's heartbeats and syncs from a region nobody polls, and
+/// the sender would wait on it forever instead of reconnecting.
 impl Drop for Lease {
     fn drop(&mut self) {
         let mut names = self.access.names.lock();
-        if names.get(&self.name).is_some_and(|h| h.id == self.id) {
-            names.remove(&self.name);
-        }
+        let region = match names.get(&self.name) {
+            Some(h) if h.id == self.id => names
+                .remove(&self.name)
+                .and_then(|h| h.region)
+                .and_then(|r| r.upgrade()),
+            _ => None,
+        };
         drop(names);
+        if let Some(region) = region {
+            region.disconnect();
+        }
         self.access.released.notify_all();
     }
 }

@@ -2105,6 +2105,41 @@ mod tests {
         assert!(err.contains("notice"), "{err}");
     }
 
+    /// A sender whose handshake a listener completed, but whose connection no receiver took
+    /// before the listener was dropped (a receiver stopping while the sender reconnects), is
+    /// disconnected, so it goes on to reconnect. It used to stay connected to a NIC thread that
+    /// answered its heartbeats from a region nobody polled: a flake of the engine's reconnect
+    /// test, whose sender synced that region thousands of times and never got a block free.
+    #[test]
+    fn a_connection_no_receiver_took_ends_with_its_listener() {
+        let blocks = SendBlocks::new(1, 256);
+        let listener = listen("127.0.0.1:0", RegionSettings::plain(4, 256)).unwrap();
+        let mut conn = TcpConnector::new(listener.local_addr())
+            .connect(&hello(), None, &blocks)
+            .unwrap();
+        drop(listener);
+        // As the sending thread does when idle: heartbeats, so only the receiver's side can
+        // end the connection (the NIC thread's peer timeout does not).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut done = Vec::new();
+        let err = loop {
+            assert!(
+                Instant::now() < deadline,
+                "the connection lived on for 20 s"
+            );
+            if let Err(e) = conn
+                .heartbeat()
+                .and_then(|()| conn.poll_completions(&mut done, Duration::from_millis(20)))
+            {
+                break e.to_string();
+            }
+        };
+        assert!(
+            !err.contains("timeout"),
+            "ended by the receiver, not a timeout: {err}"
+        );
+    }
+
     fn ack(wr_id: u64) -> Vec<u8> {
         OpHeader {
             op: OP_ACK,
