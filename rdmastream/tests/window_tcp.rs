@@ -14,7 +14,7 @@ use rdmastream::proto::window::{Immediate, WindowAction, WindowSender};
 use rdmastream::proto::{BlockScanner, Delivery, status};
 use rdmastream::transport::tcp::{TcpConnector, listen};
 use rdmastream::transport::{
-    Accepted, Connector, Listener, Region, RegionSettings, RetainedBlock, SendBlocks,
+    Accepted, Connector, Lease, Listener, Region, RegionSettings, RetainedBlock, SendBlocks,
     WindowConnection,
 };
 
@@ -45,12 +45,12 @@ fn settings(mechanism: Mechanism) -> RegionSettings {
 const WINDOW: Mechanism = Mechanism::SlidingWindow { device: 3 };
 
 /// A connected pair: the sender's connection and send blocks, the receiver's region (and its
-/// listener, kept open).
+/// listener, kept open, and the connection's lease: dropping it ends the connection).
 type Connected = (
     Box<dyn WindowConnection>,
     Arc<SendBlocks>,
     Arc<dyn Region>,
-    Box<dyn Listener>,
+    (Box<dyn Listener>, Lease),
 );
 
 fn connect() -> Connected {
@@ -65,7 +65,12 @@ fn connect() -> Connected {
         .expect("accept")
         .expect("the sender was accepted");
     assert_eq!(accepted.hello.mechanism, WINDOW);
-    (conn, blocks, accepted.region, Box::new(listener))
+    (
+        conn,
+        blocks,
+        accepted.region,
+        (Box::new(listener), accepted.lease),
+    )
 }
 
 /// Block `k`'s content: its number in the first 8 bytes, then a pattern.

@@ -606,6 +606,8 @@ pub struct Accepted {
     pub peer: String,
     pub region: std::sync::Arc<dyn Region>,
     /// The sender's hold on its name; the receiver drops it when the connection is over.
+    /// Dropping it ends the connection (the region is disconnected), so whoever takes the
+    /// region keeps the lease as long as it uses the connection.
     pub lease: Lease,
     /// The sender's share of memory for reassembly and copies.
     pub memory: std::sync::Arc<crate::proto::Budget>,
