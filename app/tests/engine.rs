@@ -1637,9 +1637,15 @@ fn reserve_and_push(
 /// The hoard holds exactly `want`, in order and bit-exact.
 fn assert_hoarded(sink: &Hoard, want: &[(u64, Vec<u8>)]) {
     let got = sink.0.lock().unwrap();
-    assert_eq!(got.len(), want.len());
+    let order = || got.iter().map(|(i, _)| *i).collect::<Vec<_>>();
+    assert_eq!(got.len(), want.len(), "frames arrived: {:?}", order());
     for ((index, data), (want_index, want_bytes)) in got.iter().zip(want) {
-        assert_eq!(index, want_index);
+        assert_eq!(
+            index,
+            want_index,
+            "frames arrived in this order: {:?}",
+            order()
+        );
         assert_eq!(&data[..], &want_bytes[..], "frame {index}");
     }
 }
@@ -2048,6 +2054,31 @@ fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
     assert!(report.machine.placed >= remote as u64);
     assert!(report.machine.placed <= 60);
     assert_eq!(report.machine.stale_placed, 0);
+    receiver.stop();
+}
+
+/// Frames pushed and frames committed in turn, from one thread, keep their order: a committed
+/// frame goes straight to the sending thread only once every frame pushed before it is
+/// planned. The filling thread's select takes a pushed frame out of the queue before it
+/// takes the lock to plan it, so "the queue is empty" did not mean "planned", and a committed
+/// frame could be numbered ahead of the frame pushed just before it (`QueueState::unplanned`).
+#[test]
+fn pushed_and_committed_frames_keep_their_order() {
+    let cap = rdmastream::proto::payload_capacity(4096);
+    let LendingPair {
+        _dir,
+        sink,
+        receiver,
+        sender: s,
+        ..
+    } = lending_over_shm("turns", 2);
+    let input = s.add_device(5, DropPolicy::DropOldest);
+    let (want, _) = reserve_and_push(&input, 1500, 2, cap);
+    input.end();
+    let report = s.finish(Duration::from_secs(20)).unwrap();
+    assert_eq!(report.unsent, 0);
+    assert!(wait_until(Duration::from_secs(20), || receiver.all_senders_ended()));
+    assert_hoarded(&sink, &want);
     receiver.stop();
 }
 

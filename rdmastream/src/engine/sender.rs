@@ -8,7 +8,7 @@
 mod window;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -334,9 +334,32 @@ pub struct DeviceInput {
     reliable: bool,
     /// For sealing a committed frame here and handing it straight to the sending thread.
     direct: Direct,
+    /// What this input and the filling thread share about its queue.
+    queue: Arc<QueueState>,
+}
+
+/// What a device input and the filling thread share about the input's queue.
+#[derive(Default)]
+struct QueueState {
     /// Set by the filling thread while it reads this input's queue (false before, while the
     /// device's number still streams for an earlier input, and after its end).
-    admitted: Arc<AtomicBool>,
+    admitted: AtomicBool,
+    /// Messages of this input on their way to the filling thread and not yet planned by it:
+    /// counted up before a message goes into the queue, down once the filling thread has
+    /// planned it (under the filler lock), dropped it from the queue, or it never went in. A
+    /// committed frame goes straight to the sending thread only while this is 0. The queue's
+    /// own emptiness cannot say so: the filling thread's select claims a message before it
+    /// takes the lock to plan it, so the queue looks empty while that message is still
+    /// unplanned, and a frame committed in that moment was numbered before a frame pushed
+    /// ahead of it (delivered out of order: 1 run in 40–100 of
+    /// `reserved_frames_over_shm_are_written_into_the_receivers_blocks` beside CPU hogs).
+    unplanned: AtomicUsize,
+}
+
+impl QueueState {
+    fn planned(&self) {
+        self.unplanned.fetch_sub(1, Ordering::Release);
+    }
 }
 
 /// The filling thread's planning state, shared with committing sources: a lossy device's
@@ -474,10 +497,11 @@ impl DeviceInput {
         let Some(mut f) = self.direct.filler.try_lock() else {
             return Err(c);
         };
-        // The filling thread takes a message out of a queue only while it holds the lock, so
-        // an empty queue here means every earlier message of this device is planned.
-        if !self.admitted.load(Ordering::Acquire)
-            || !self.rx.is_empty()
+        // The filling thread plans a message only while it holds the lock and counts it
+        // planned before it lets go, so 0 here means every earlier message of this device is
+        // planned (see `QueueState::unplanned`).
+        if !self.queue.admitted.load(Ordering::Acquire)
+            || self.queue.unplanned.load(Ordering::Acquire) != 0
             || f.holding
             || f.drops_seen != self.direct.drops.load(Ordering::Acquire)
             || !f.machine.frame_alone(self.device, &c.meta.format)
@@ -530,7 +554,11 @@ impl DeviceInput {
     /// Drops the oldest queued message to make room (drop-oldest); a committed reservation's
     /// block goes back to the free list.
     fn drop_oldest(&self) {
-        match self.rx.try_recv() {
+        let dropped = self.rx.try_recv();
+        if dropped.is_ok() {
+            self.queue.planned();
+        }
+        match dropped {
             // Only frames are ever queued before End, so this drops a frame.
             Ok(Msg::Frame(_)) => self.counters.dropped(),
             Ok(Msg::Reserved(c)) => {
@@ -547,6 +575,16 @@ impl DeviceInput {
     }
 
     fn send(&self, msg: Msg) -> bool {
+        self.queue.unplanned.fetch_add(1, Ordering::AcqRel);
+        let sent = self.enqueue(msg);
+        if !sent {
+            self.queue.planned();
+        }
+        sent
+    }
+
+    /// Puts `msg` in the queue under the device's policy (see [`send`](Self::send)).
+    fn enqueue(&self, msg: Msg) -> bool {
         match self.policy {
             DropPolicy::Block => {
                 let mut msg = msg;
@@ -584,14 +622,23 @@ impl DeviceInput {
     /// waits up to a second (then the stream still ends once every clone of this input is
     /// dropped, after the queued frames).
     pub fn end(&self) {
+        self.queue.unplanned.fetch_add(1, Ordering::AcqRel);
+        if !self.enqueue_end() {
+            self.queue.planned();
+        }
+    }
+
+    /// Puts the end of stream in the queue (see [`end`](Self::end)); false if it did not go in.
+    fn enqueue_end(&self) -> bool {
         let mut msg = Msg::End;
         let deadline = std::time::Instant::now() + Duration::from_secs(1);
         loop {
             if self.stopped.load(Ordering::Acquire) {
-                return; // nothing will be sent any more
+                return false; // nothing will be sent any more
             }
             match self.tx.try_send(msg) {
-                Ok(()) | Err(TrySendError::Disconnected(_)) => return,
+                Ok(()) => return true,
+                Err(TrySendError::Disconnected(_)) => return false,
                 Err(TrySendError::Full(m)) => {
                     msg = m;
                     if self.policy == DropPolicy::DropOldest {
@@ -601,7 +648,7 @@ impl DeviceInput {
                             device = self.device,
                             "queue still full after 1 s; the stream ends when the input is dropped"
                         );
-                        return;
+                        return false;
                     } else {
                         std::thread::sleep(Duration::from_millis(10));
                     }
@@ -644,9 +691,9 @@ enum ToSending {
 }
 
 enum Control {
-    /// A device, its queue, whether it is lossless, and its input's admitted flag
-    /// ([`DeviceInput::admitted`]).
-    Device(u8, Receiver<Msg>, bool, Arc<AtomicBool>),
+    /// A device, its queue, whether it is lossless, and what its input shares about the queue
+    /// ([`QueueState`]).
+    Device(u8, Receiver<Msg>, bool, Arc<QueueState>),
 }
 
 /// What a finished sender reports.
@@ -841,14 +888,9 @@ impl SenderHandle {
     /// on, and the sender keeps it until then; `block` devices are, by [`Self::add_device`]).
     pub fn add_device_with(&self, device: u8, policy: DropPolicy, reliable: bool) -> DeviceInput {
         let (tx, rx) = crossbeam_channel::bounded(self.queue_depth);
-        let admitted = Arc::new(AtomicBool::new(false));
+        let queue = Arc::new(QueueState::default());
         if let Some(c) = &self.control {
-            let _ = c.send(Control::Device(
-                device,
-                rx.clone(),
-                reliable,
-                admitted.clone(),
-            ));
+            let _ = c.send(Control::Device(device, rx.clone(), reliable, queue.clone()));
         }
         self.queues.lock().push(rx.clone());
         DeviceInput {
@@ -865,7 +907,7 @@ impl SenderHandle {
             lent: self.lent.clone(),
             reliable,
             direct: self.direct.clone(),
-            admitted,
+            queue,
         }
     }
 
@@ -986,9 +1028,9 @@ fn filling_loop(
 ) {
     let block_size = blocks.block_size();
     // The queues of streaming devices, and of devices waiting for their number's stream to end,
-    // with their inputs' admitted flags.
-    let mut queues: Vec<(u8, Receiver<Msg>, Arc<AtomicBool>)> = Vec::new();
-    let mut waiting: Vec<(u8, Receiver<Msg>, Arc<AtomicBool>)> = Vec::new();
+    // with what their inputs share about them.
+    let mut queues: Vec<(u8, Receiver<Msg>, Arc<QueueState>)> = Vec::new();
+    let mut waiting: Vec<(u8, Receiver<Msg>, Arc<QueueState>)> = Vec::new();
     let mut control_open = true;
     // Takes a free send block; gives up only on abort.
     // Its own blocks first; with none free, an in-place block that is free borrowed (so a
@@ -1151,13 +1193,13 @@ fn filling_loop(
         let f = &mut *guard;
         if Some(index) == control_op {
             match op.recv(&control) {
-                Ok(Control::Device(device, rx, reliable, admitted)) => {
+                Ok(Control::Device(device, rx, reliable, queue)) => {
                     match f.machine.add_device(device, reliable) {
                         Added::Streaming => {
-                            admitted.store(true, Ordering::Release);
-                            queues.push((device, rx, admitted));
+                            queue.admitted.store(true, Ordering::Release);
+                            queues.push((device, rx, queue));
                         }
-                        Added::Waiting => waiting.push((device, rx, admitted)),
+                        Added::Waiting => waiting.push((device, rx, queue)),
                     }
                 }
                 Err(_) => control_open = false,
@@ -1165,7 +1207,10 @@ fn filling_loop(
             continue;
         }
         let pos = index - control_op.map_or(0, |_| 1);
-        let msg = op.recv(&queues[pos].1).unwrap_or(Msg::End);
+        let received = op.recv(&queues[pos].1);
+        // Counted planned below, still under the lock (`QueueState::unplanned`).
+        let taken = received.is_ok().then(|| queues[pos].2.clone());
+        let msg = received.unwrap_or(Msg::End);
         let device = queues[pos].0;
         // After a connection drop the receiver may be a new process: formats go out again.
         let now_drops = drops.load(Ordering::Acquire);
@@ -1220,14 +1265,14 @@ fn filling_loop(
                 }
             }
             Msg::End => {
-                let (_, _, admitted) = queues.remove(pos);
-                admitted.store(false, Ordering::Release);
+                let (_, _, queue) = queues.remove(pos);
+                queue.admitted.store(false, Ordering::Release);
                 let (end, resumed) = machine.end(device, unix_now_ns());
                 if resumed.is_some()
                     && let Some(k) = waiting.iter().position(|(d, _, _)| *d == device)
                 {
                     let next = waiting.remove(k);
-                    next.2.store(true, Ordering::Release);
+                    next.2.admitted.store(true, Ordering::Release);
                     queues.push(next);
                 }
                 fill(
@@ -1243,6 +1288,9 @@ fn filling_loop(
             return;
         }
         f.holding = coalescer.held() > 0;
+        if let Some(queue) = taken {
+            queue.planned();
+        }
     }
 }
 
