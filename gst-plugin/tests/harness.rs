@@ -661,10 +661,16 @@ fn drops_post_qos_messages_and_stats_arrive_as_element_messages() {
     e.set_property_from_str("drop-policy", "drop-oldest");
     let bus = bus_of(&e);
     let mut tx = sink_harness(&e, GRAY);
-    let (mut qos, mut stats) = (None, None);
+    let (mut qos, mut stats) = (None, None::<gst::Structure>);
     let end = std::time::Instant::now() + DEADLINE;
     let mut i = 0;
-    while (qos.is_none() || stats.is_none()) && std::time::Instant::now() < end {
+    // Until a QoS message and a stats message that counts the drops: a stats message taken
+    // before the first drop (every 100 ms, whatever happens) says 0, which proves nothing.
+    let counts_drops = |s: &Option<gst::Structure>| {
+        s.as_ref()
+            .is_some_and(|s| s.get::<u64>("frames-dropped").unwrap() > 0)
+    };
+    while (qos.is_none() || !counts_drops(&stats)) && std::time::Instant::now() < end {
         tx.push(buffer(vec![1; 8], i * 100, 100)).unwrap();
         i += 1;
         std::thread::sleep(std::time::Duration::from_millis(5));
