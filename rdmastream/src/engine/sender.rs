@@ -357,6 +357,17 @@ struct QueueState {
 }
 
 impl QueueState {
+    /// Counts a message unplanned for as long as `enqueue` takes to put it in the queue, and
+    /// for good if it went in (`enqueue` returns whether it did).
+    fn counted(&self, enqueue: impl FnOnce() -> bool) -> bool {
+        self.unplanned.fetch_add(1, Ordering::AcqRel);
+        let queued = enqueue();
+        if !queued {
+            self.planned();
+        }
+        queued
+    }
+
     fn planned(&self) {
         self.unplanned.fetch_sub(1, Ordering::Release);
     }
@@ -575,12 +586,7 @@ impl DeviceInput {
     }
 
     fn send(&self, msg: Msg) -> bool {
-        self.queue.unplanned.fetch_add(1, Ordering::AcqRel);
-        let sent = self.enqueue(msg);
-        if !sent {
-            self.queue.planned();
-        }
-        sent
+        self.queue.counted(|| self.enqueue(msg))
     }
 
     /// Puts `msg` in the queue under the device's policy (see [`send`](Self::send)).
@@ -622,10 +628,7 @@ impl DeviceInput {
     /// waits up to a second (then the stream still ends once every clone of this input is
     /// dropped, after the queued frames).
     pub fn end(&self) {
-        self.queue.unplanned.fetch_add(1, Ordering::AcqRel);
-        if !self.enqueue_end() {
-            self.queue.planned();
-        }
+        self.queue.counted(|| self.enqueue_end());
     }
 
     /// Puts the end of stream in the queue (see [`end`](Self::end)); false if it did not go in.
