@@ -110,12 +110,7 @@ fn run_session_with(
     for t in threads {
         t.join().unwrap();
     }
-    let report = sender.finish(Duration::from_secs(20)).unwrap();
-    assert_eq!(report.unsent, 0);
-    assert!(
-        wait_until(Duration::from_secs(20), || receiver.all_senders_ended()),
-        "receiver never saw both streams end"
-    );
+    let report = finish_delivered(sender, &receiver, Duration::from_secs(20));
     let counters = receiver.counters().all();
     let reorder = receiver.reorder_stats();
     let invalid = receiver.invalid().total();
@@ -1197,12 +1192,7 @@ fn run_coalesced(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
     for t in threads {
         t.join().unwrap();
     }
-    let report = sender.finish(Duration::from_secs(20)).unwrap();
-    assert_eq!(report.unsent, 0);
-    assert!(
-        wait_until(Duration::from_secs(20), || receiver.all_senders_ended()),
-        "receiver never saw every stream end"
-    );
+    finish_delivered(sender, &receiver, Duration::from_secs(20));
     let counters = receiver.counters().all();
     let reorder = receiver.reorder_stats();
     let invalid = receiver.invalid().total();
@@ -1634,6 +1624,22 @@ fn reserve_and_push(
     (want, remote)
 }
 
+/// Finishes `sender` (within 20 s) with nothing left unsent, and waits up to `wait` for
+/// `receiver` to see every sender's streams end; the sender's report.
+fn finish_delivered(
+    sender: SenderHandle,
+    receiver: &ReceiverHandle,
+    wait: Duration,
+) -> rdmastream::engine::SenderReport {
+    let report = sender.finish(Duration::from_secs(20)).unwrap();
+    assert_eq!(report.unsent, 0);
+    assert!(
+        wait_until(wait, || receiver.all_senders_ended()),
+        "the receiver never saw every sender's streams end"
+    );
+    report
+}
+
 /// The hoard holds exactly `want`, in order and bit-exact.
 fn assert_hoarded(sink: &Hoard, want: &[(u64, Vec<u8>)]) {
     let got = sink.0.lock().unwrap();
@@ -2042,9 +2048,7 @@ fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
     // An abandoned receiver's block is offered again, or reservations would run out of them.
     let (want, remote) = reserve_and_push(&input, 60, 4, cap);
     input.end();
-    let report = s.finish(Duration::from_secs(20)).unwrap();
-    assert_eq!(report.unsent, 0);
-    assert!(wait_until(wait, || receiver.all_senders_ended()));
+    let report = finish_delivered(s, &receiver, wait);
     assert_hoarded(&sink, &want);
     // Reservations got a receiver's block when one was on offer (otherwise an in-place send
     // block, as when none is free the moment after a commit), and each such frame cost one
@@ -2075,9 +2079,7 @@ fn pushed_and_committed_frames_keep_their_order() {
     let input = s.add_device(5, DropPolicy::DropOldest);
     let (want, _) = reserve_and_push(&input, 1500, 2, cap);
     input.end();
-    let report = s.finish(Duration::from_secs(20)).unwrap();
-    assert_eq!(report.unsent, 0);
-    assert!(wait_until(Duration::from_secs(20), || receiver.all_senders_ended()));
+    finish_delivered(s, &receiver, Duration::from_secs(20));
     assert_hoarded(&sink, &want);
     receiver.stop();
 }
@@ -2123,9 +2125,7 @@ fn pushed_lossy_frames_over_shm_are_copied_once_into_the_receivers_blocks() {
     }
     live.end();
     lossless.end();
-    let report = s.finish(Duration::from_secs(20)).unwrap();
-    assert_eq!(report.unsent, 0);
-    assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
+    let report = finish_delivered(s, &receiver, Duration::from_secs(10));
     let got = sink.0.lock().unwrap();
     let indices: Vec<u64> = got.iter().map(|(i, _)| *i).collect();
     for parity in [0, 1] {
