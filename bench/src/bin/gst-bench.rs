@@ -80,6 +80,8 @@ struct Run {
     /// rdmasrc's `poll-spin` and `poll-max`, µs.
     poll_spin: u32,
     poll_max: u32,
+    /// rdmasrc's `blocks` (0: not set, its default 16).
+    blocks: u32,
 }
 
 fn caps() -> String {
@@ -129,10 +131,14 @@ impl Run {
         let (port, socket, transport) = (self.port, &self.socket, &self.transport);
         let src = match self.variant {
             Variant::Rdma => format!(
-                "rdmasrc address={} port={port} transport={transport} poll-spin={} poll-max={}",
+                "rdmasrc address={} port={port} transport={transport} poll-spin={} poll-max={}{}",
                 self.rdma_host(),
                 self.poll_spin,
-                self.poll_max
+                self.poll_max,
+                match self.blocks {
+                    0 => String::new(),
+                    n => format!(" blocks={n}"),
+                }
             ),
             Variant::Tcp => format!("tcpclientsrc host=127.0.0.1 port={port} ! gdpdepay"),
             // shmsrc carries no caps: they have to be known in advance.
@@ -194,6 +200,7 @@ fn child(args: &[String]) {
         in_place: get("--in-place") == "true",
         poll_spin: get("--poll-spin").parse().unwrap(),
         poll_max: get("--poll-max").parse().unwrap(),
+        blocks: get("--blocks").parse().unwrap(),
     };
     let start: u64 = get("--start").parse().unwrap();
     let end: u64 = get("--end").parse().unwrap();
@@ -309,6 +316,8 @@ fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
             &run.poll_spin.to_string(),
             "--poll-max",
             &run.poll_max.to_string(),
+            "--blocks",
+            &run.blocks.to_string(),
             "--start",
             &start.to_string(),
             "--end",
@@ -372,11 +381,12 @@ fn main() {
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500]\n\
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500] [--blocks 0]\n\
              Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
              for 640x480 RGB at 25 fps and unthrottled. --in-place: videotestsrc writes into \
              rdmasink's pool of send blocks (otherwise every sink copies each frame). --poll-spin, \
-             --poll-max: rdmasrc's poll-spin and poll-max (µs)."
+             --poll-max: rdmasrc's poll-spin and poll-max (µs). --blocks: rdmasrc's blocks \
+             (0: its default, 16)."
         );
         return;
     }
@@ -387,6 +397,7 @@ fn main() {
     let in_place = args.iter().any(|a| a == "--in-place");
     let poll_spin: u32 = opt("--poll-spin", "50").parse().expect("--poll-spin");
     let poll_max: u32 = opt("--poll-max", "500").parse().expect("--poll-max");
+    let blocks: u32 = opt("--blocks", "0").parse().expect("--blocks");
     gst::init().unwrap();
     let dir = std::env::temp_dir().join(format!("gst-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -413,6 +424,7 @@ fn main() {
                 in_place,
                 poll_spin,
                 poll_max,
+                blocks,
                 socket: dir
                     .join(format!("shm-{}-{live}", variant.name()))
                     .display()
