@@ -229,6 +229,9 @@ pub struct SenderMachine {
     placed_done: VecDeque<(u64, bool)>,
     /// Whether syncs are asked for early ([`SenderMachine::set_early_sync`]).
     early_sync: bool,
+    /// At most this many remote blocks FULL at once, lowest-numbered free block first
+    /// ([`SenderMachine::set_max_full`]); `None`: no limit, round-robin.
+    max_full: Option<usize>,
 }
 
 /// Blocks smaller than this never sync early: writing a few of them takes far less than the
@@ -267,7 +270,20 @@ impl SenderMachine {
             max_lent: 0,
             placed_done: VecDeque::new(),
             early_sync: true,
+            max_full: None,
         }
+    }
+
+    /// Keeps the receiver's working set small where a sync costs nothing (shm, where the
+    /// receiver's region and the send blocks share the host's cache): at most `n` (at least 2)
+    /// remote blocks FULL in the cache at once, lent ones included, and the lowest-numbered free
+    /// block is taken first instead of the next round-robin, so the same few blocks are written
+    /// again while their lines are still cached. With `n` reached the machine syncs (and backs
+    /// off like a sync that found no free block). `None` (the default): no limit, round-robin,
+    /// as the paper's sender. The driver sets it from the connection each turn
+    /// ([`crate::SenderMachine`]'s callers: `Connection::cache_budget`).
+    pub fn set_max_full(&mut self, n: Option<usize>) {
+        self.max_full = n.map(|n| n.max(2));
     }
 
     /// Whether a write that leaves few free blocks in the cache asks for a sync at once (the
@@ -286,8 +302,11 @@ impl SenderMachine {
         self.max_lent = n;
     }
 
+    /// With [`Self::set_max_full`], at most half of that limit is lent, so that queued blocks
+    /// always find the other half.
     fn lend_cap(&self) -> usize {
-        self.layout.map_or(0, |l| self.max_lent.min(l.blocks / 4))
+        let cap = self.layout.map_or(0, |l| self.max_lent.min(l.blocks / 4));
+        self.max_full.map_or(cap, |max| cap.min(max / 2))
     }
 
     /// A free remote block for a source to write a block into in place, if one can be lent now:
@@ -301,7 +320,7 @@ impl SenderMachine {
         }
         // Queued blocks come first: lend only a block none of them needs.
         let needed = self.queue.iter().filter(|f| f.placed.is_none()).count();
-        let free = self.free_in_cache();
+        let free = self.usable_in_cache();
         if free <= needed {
             return None;
         }
@@ -372,9 +391,10 @@ impl SenderMachine {
         self.lent.len()
     }
 
-    /// Whether the cache shows a free remote block.
+    /// Whether the cache shows a free remote block that may be written now (within
+    /// [`Self::set_max_full`]'s limit, if one is set).
     pub fn has_free_block(&self) -> bool {
-        self.remote.contains(&status::EMPTY)
+        self.usable_in_cache() > 0
     }
 
     /// A connection is up with a fresh receiver region. The cache is unknown until the first
@@ -527,7 +547,7 @@ impl SenderMachine {
         }
         self.unsure.clear();
         let progress = match why {
-            SyncFor::Block => self.remote.contains(&status::EMPTY),
+            SyncFor::Block => self.usable_in_cache() > 0,
             SyncFor::Confirmations => confirmed > 0,
         };
         if progress {
@@ -573,7 +593,7 @@ impl SenderMachine {
             && self.queue.is_empty()
             && self.in_flight.is_empty()
             && self.lent.len() < self.lend_cap()
-            && !self.has_free_block()
+            && self.usable_in_cache() == 0
         {
             // Blocks to lend are wanted and the cache shows none free.
             return self.try_sync(SyncFor::Block);
@@ -598,7 +618,7 @@ impl SenderMachine {
                 self.cursor = (j + 1) % layout.blocks;
                 let (wr_id, filled) = self.start_chain(j);
                 let low_water = self.low_water();
-                if !syncing && low_water > 0 && self.free_in_cache() <= low_water {
+                if !syncing && low_water > 0 && self.usable_in_cache() <= low_water {
                     // Few free blocks left: read the statuses now, while these are written, so
                     // that the answer is back before the cache runs dry (the next call posts
                     // the sync).
@@ -623,6 +643,19 @@ impl SenderMachine {
     /// Blocks the cache shows free.
     fn free_in_cache(&self) -> usize {
         self.remote.iter().filter(|&&b| b == status::EMPTY).count()
+    }
+
+    /// Free blocks the cache shows that may be written now: all of them, or with
+    /// [`Self::set_max_full`] only as many as keep the FULL ones within the limit.
+    fn usable_in_cache(&self) -> usize {
+        let free = self.free_in_cache();
+        match self.max_full {
+            None => free,
+            Some(max) => {
+                let full = self.remote.iter().filter(|&&b| b == status::FULL).count();
+                free.min(max.saturating_sub(full))
+            }
+        }
     }
 
     /// With this many free blocks left in the cache, a write asks for a sync at once
@@ -668,8 +701,16 @@ impl SenderMachine {
     }
 
     fn find_free_block(&mut self, n: usize) -> Option<usize> {
+        if self.usable_in_cache() == 0 {
+            return None;
+        }
+        let start = if self.max_full.is_some() {
+            0
+        } else {
+            self.cursor
+        };
         for k in 0..n {
-            let j = (self.cursor + k) % n;
+            let j = (start + k) % n;
             match self.remote[j] {
                 status::EMPTY => return Some(j),
                 status::RETAINED => self.stats.retained_skipped += 1,

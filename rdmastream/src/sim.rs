@@ -159,6 +159,10 @@ pub struct SimConfig {
     /// byte is posted.
     pub lend: usize,
     pub lend_render: Duration,
+    /// The connection's [`Connection::cache_budget`] (shm's keeps the receiver's working set
+    /// small): at most that many bytes of remote blocks FULL at once, lowest-numbered first.
+    /// `None` (the default): none, round-robin.
+    pub cache_budget: Option<usize>,
 }
 
 impl Default for SimConfig {
@@ -189,6 +193,7 @@ impl Default for SimConfig {
             coalesce_wait: Duration::ZERO,
             lend: 0,
             lend_render: Duration::from_micros(2),
+            cache_budget: None,
         }
     }
 }
@@ -233,6 +238,8 @@ pub struct SimReport {
     /// written into a block of a connection that had dropped (never delivered).
     pub in_place: u64,
     pub stale_in_place: u64,
+    /// Most status bytes FULL in the receiver's region at once.
+    pub most_full: usize,
 }
 
 /// The reference payload of frame `f` of device `d`.
@@ -337,12 +344,16 @@ enum Posted {
 /// completions delivered by it are handed out by `poll_completions`.
 struct SimConnection {
     layout: RemoteLayout,
+    cache_budget: Option<usize>,
     blocks: Arc<SendBlocks>,
     posted: Vec<Posted>,
     completions: VecDeque<Completion>,
 }
 
 impl Connection for SimConnection {
+    fn cache_budget(&self) -> Option<usize> {
+        self.cache_budget
+    }
     fn syncs_early(&self) -> bool {
         true
     }
@@ -527,6 +538,7 @@ impl Pair {
             driver: Driver::new(),
             conn: SimConnection {
                 layout,
+                cache_budget: cfg.cache_budget,
                 blocks,
                 posted: Vec::new(),
                 completions: VecDeque::new(),
@@ -703,6 +715,8 @@ impl Pair {
                     }
                     self.statuses[block] = byte;
                     self.report.placed.push((now, block));
+                    let full = self.statuses.iter().filter(|&&b| b == status::FULL).count();
+                    self.report.most_full = self.report.most_full.max(full);
                 }
             }
             Ev::Rendered {

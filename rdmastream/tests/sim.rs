@@ -861,3 +861,115 @@ fn frames_written_into_an_old_connections_lent_blocks_are_dropped_not_delivered(
         }
     }
 }
+
+/// With a cache budget (shm's `Connection::cache_budget`) the sender keeps at most that many
+/// bytes of the receiver's blocks FULL and writes the lowest-numbered free ones, so a slow
+/// receiver's region is worked in a few blocks instead of all of them; lossless devices with a
+/// retained block and random receiver order still deliver the same frames, bit-exact and in
+/// order, as without one.
+#[test]
+fn a_cache_budget_keeps_few_remote_blocks_full_and_reuses_the_lowest() {
+    let block_size = 256;
+    let without = SimConfig {
+        remote_blocks: 16,
+        block_size,
+        send_blocks: 8,
+        max_outstanding: 3,
+        random_order: true,
+        seed: 9,
+        // The receiver is the slow side: without a budget its blocks fill up.
+        process_time: Duration::from_micros(40),
+        placement: Placement::Ordered,
+        policy: SimPolicy::Block,
+        queue_depth: 10_000,
+        retentions: vec![Retention {
+            block: 1,
+            from: Duration::from_micros(400),
+            until: Duration::from_millis(3),
+        }],
+        devices: vec![
+            dev(1, 200, 200, 10),
+            dev(2, 700, 60, 30),
+            dev(3, 30, 200, 10),
+        ],
+        ..Default::default()
+    };
+    let open = run(&without, LIMIT);
+    assert_complete(&without, &open);
+    assert!(
+        open.most_full > 4 && distinct_blocks(&open) == 16,
+        "without a budget the receiver should fall behind over all blocks ({} full at most, \
+         {} blocks written)",
+        open.most_full,
+        distinct_blocks(&open)
+    );
+    let cfg = SimConfig {
+        cache_budget: Some(4 * block_size),
+        ..without.clone()
+    };
+    let r = run(&cfg, LIMIT);
+    assert_complete(&cfg, &r);
+    assert!(r.most_full <= 4, "{} blocks full at once", r.most_full);
+    // The four FULL ones and those the receiver holds (status 2: the retention, and blocks of
+    // packets it keeps for reordering): never more than half of the region.
+    assert!(
+        distinct_blocks(&r) <= 8,
+        "wrote {} different blocks",
+        distinct_blocks(&r)
+    );
+    for d in &cfg.devices {
+        assert_eq!(delivered_by(&r, d.id), delivered_by(&open, d.id));
+    }
+}
+
+/// The remote blocks written, each once.
+fn distinct_blocks(r: &SimReport) -> usize {
+    let mut blocks: Vec<usize> = r.placed.iter().map(|&(_, j)| j).collect();
+    blocks.sort_unstable();
+    blocks.dedup();
+    blocks.len()
+}
+
+/// Frames written in place under a cache budget: at most half of the budget's blocks are lent
+/// (queued blocks take the rest), and the frames arrive as through send blocks.
+#[test]
+fn frames_written_in_place_under_a_cache_budget_arrive_as_without_one() {
+    let block_size = 256;
+    let without = SimConfig {
+        remote_blocks: 16,
+        block_size,
+        send_blocks: 5,
+        max_outstanding: 3,
+        random_order: true,
+        seed: 5,
+        placement: Placement::Ordered,
+        policy: SimPolicy::DropOldest,
+        queue_depth: 10_000,
+        lend: 4,
+        devices: vec![
+            dev(1, 200, 150, 40),
+            dev(2, 700, 60, 90),
+            dev(3, 30, 150, 35),
+        ],
+        ..Default::default()
+    };
+    let open = run(&without, LIMIT);
+    assert_complete(&without, &open);
+    let cfg = SimConfig {
+        cache_budget: Some(4 * block_size),
+        ..without.clone()
+    };
+    let r = run(&cfg, LIMIT);
+    assert_complete(&cfg, &r);
+    assert_eq!(r.dropped, 0);
+    assert!(r.in_place > 50, "only {} frames went in place", r.in_place);
+    assert!(r.most_full <= 4, "{} blocks full at once", r.most_full);
+    assert!(
+        distinct_blocks(&r) <= 8,
+        "wrote {} blocks",
+        distinct_blocks(&r)
+    );
+    for d in &cfg.devices {
+        assert_eq!(delivered_by(&r, d.id), delivered_by(&open, d.id));
+    }
+}

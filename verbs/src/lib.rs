@@ -854,6 +854,9 @@ impl Connection for VerbsConnection {
         None
     }
     /// Off until measured on a real NIC (see the trait).
+    fn cache_budget(&self) -> Option<usize> {
+        None
+    }
     fn syncs_early(&self) -> bool {
         false
     }

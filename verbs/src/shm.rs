@@ -575,6 +575,9 @@ impl Connection for ShmConnection {
     fn syncs_early(&self) -> bool {
         true
     }
+    fn cache_budget(&self) -> Option<usize> {
+        Some(rdmastream::transport::SHM_CACHE_BUDGET)
+    }
     fn peer(&self) -> &str {
         &self.peer
     }

@@ -213,6 +213,9 @@ impl Connection for Counted {
     ) -> Option<Box<dyn rdmastream::transport::LeasedBlock>> {
         self.inner.lend_block(remote_block)
     }
+    fn cache_budget(&self) -> Option<usize> {
+        None
+    }
     fn syncs_early(&self) -> bool {
         self.inner.syncs_early()
     }

@@ -53,6 +53,7 @@ impl Driver {
         // Remote blocks are the receiver's size, which may exceed the sender's blocks.
         let block_size = conn.layout().block_size;
         machine.set_early_sync(conn.syncs_early());
+        machine.set_max_full(crate::transport::max_full_blocks(conn));
         let mut turn = Turn::default();
         let t = now();
         while let Some(action) = machine.poll_action(t) {

@@ -208,6 +208,9 @@ impl Drop for MemConnection {
 }
 
 impl Connection for MemConnection {
+    fn cache_budget(&self) -> Option<usize> {
+        None
+    }
     fn syncs_early(&self) -> bool {
         true
     }

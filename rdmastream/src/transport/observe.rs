@@ -214,6 +214,9 @@ impl Connection for ObservedConnection {
     fn lend_block(&self, remote_block: usize) -> Option<Box<dyn crate::transport::LeasedBlock>> {
         self.inner.lend_block(remote_block)
     }
+    fn cache_budget(&self) -> Option<usize> {
+        self.inner.cache_budget()
+    }
     fn syncs_early(&self) -> bool {
         self.inner.syncs_early()
     }

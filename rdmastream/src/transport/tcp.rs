@@ -1151,6 +1151,9 @@ fn write_slices(
 }
 
 impl Connection for TcpConnection {
+    fn cache_budget(&self) -> Option<usize> {
+        None
+    }
     fn syncs_early(&self) -> bool {
         true
     }
