@@ -2350,3 +2350,81 @@ fn the_sending_thread_stops_when_the_filling_thread_dies() {
     drop(input);
     receiver.stop();
 }
+
+/// Keeps each frame's index and [`digest`] and lets the frame itself go, so it
+/// pins no receiver block and no reassembly memory (a [`Hoard`] of 20 MiB frames would hold
+/// the receiver's whole reassembly budget and stall it, as it should).
+#[derive(Default)]
+struct Digests(std::sync::Mutex<Vec<(u64, String)>>);
+
+impl rdmastream::engine::FrameSink for Digests {
+    fn handle(
+        &self,
+        _: &rdmastream::engine::StreamKey,
+        _: u64,
+        _: &Arc<rdmastream::stats::DeviceCounters>,
+        event: rdmastream::proto::StreamEvent,
+    ) {
+        rdmastream::proto::ack::settle(event.ack());
+        if let rdmastream::proto::StreamEvent::Frame(f) = event {
+            self.0.lock().unwrap().push((f.index, digest(&f.data)));
+        }
+    }
+}
+
+/// Over shm, blocks too large for the cache budget (4 MiB: four of them) make the sender keep
+/// at most four of the receiver's eight blocks FULL and start messages in at most four of its
+/// six send blocks (docs/protocol.md, "The working set on one host"). A lossless message of
+/// five or six blocks still gets all of its blocks (only its first waits for the limit), and
+/// every frame of two lossless devices arrives bit-exact and in order.
+#[test]
+fn lossless_messages_longer_than_the_shm_cache_budget_still_get_through() {
+    let block_size = 4 << 20;
+    let cap = rdmastream::proto::payload_capacity(block_size);
+    let (_dir, listener, connector) = shm_endpoints(settings(8, block_size, vec![]));
+    let sink = Arc::new(Digests::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone()).unwrap();
+    let opts = SenderOptions {
+        name: "budget".into(),
+        key: Some(key()),
+        send_blocks: 6,
+        block_size,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, connector, 64).unwrap();
+    let long = s.add_device(1, DropPolicy::Block);
+    let short = s.add_device(2, DropPolicy::Block);
+    // Device 1's frames carry odd indices, device 2's even ones.
+    let lens = [5 * cap - 3, 1000, 6 * cap, 3 * cap + 1];
+    let mut want = std::collections::BTreeMap::new();
+    for k in 0..12u64 {
+        let bytes = Rendered::bytes(k as u8, lens[k as usize % lens.len()]);
+        want.insert(2 * k + 1, digest(&bytes));
+        assert!(long.push(octets(2 * k + 1, bytes)));
+        let small = Rendered::bytes(100 + k as u8, 4096);
+        want.insert(2 * k, digest(&small));
+        assert!(short.push(octets(2 * k, small)));
+    }
+    long.end();
+    short.end();
+    finish_delivered(s, &receiver, Duration::from_secs(30));
+    let got = sink.0.lock().unwrap();
+    for parity in [0, 1] {
+        let of: Vec<u64> = got
+            .iter()
+            .map(|d| d.0)
+            .filter(|i| i % 2 == parity)
+            .collect();
+        let expect: Vec<u64> = want.keys().copied().filter(|i| i % 2 == parity).collect();
+        assert_eq!(
+            of, expect,
+            "frames of parity {parity} missing or out of order"
+        );
+    }
+    for (index, digest) in got.iter() {
+        assert_eq!(digest, &want[index], "frame {index} differs");
+    }
+    drop(got);
+    receiver.stop();
+}

@@ -176,6 +176,11 @@ struct FreeLists {
     in_place: Sender<usize>,
     /// The first in-place block (the block count when there are none).
     first_in_place: usize,
+    /// How many of the filling thread's own blocks it starts messages in while others are in
+    /// use (filled, queued, in flight or waiting for a confirmation): all of them, or fewer
+    /// under the connection's cache budget ([`Connection::cache_budget`], set by the sending
+    /// thread on connecting), so that the blocks it fills are still cached when they are sent.
+    in_use_limit: Arc<AtomicUsize>,
 }
 
 impl FreeLists {
@@ -774,6 +779,7 @@ impl SenderHandle {
             filling: free_tx,
             in_place: reserve_tx.clone(),
             first_in_place,
+            in_use_limit: Arc::new(AtomicUsize::new(usize::MAX)),
         };
         for i in 0..opts.send_blocks {
             free_lists.release(i);
@@ -1036,28 +1042,44 @@ fn filling_loop(
     let mut waiting: Vec<(u8, Receiver<Msg>, Arc<QueueState>)> = Vec::new();
     let mut control_open = true;
     // Takes a free send block; gives up only on abort.
-    // Its own blocks first; with none free, an in-place block that is free borrowed (so a
-    // sender whose sources do not reserve still fills with every block). It never depends on
-    // an in-place block: it takes whichever comes free first (docs/protocol.md, "Frames
-    // written in place").
-    let take_free = || {
-        if let Ok(i) = free.try_recv() {
-            return Some(i);
-        }
-        if let Ok(i) = in_place.try_recv() {
-            return Some(i);
-        }
+    // Its own blocks first, the most recently freed one first (the one most likely still
+    // cached); with none free, an in-place block that is free borrowed (so a sender whose
+    // sources do not reserve still fills with every block). It never depends on an in-place
+    // block: it takes whichever comes free first (docs/protocol.md, "Frames written in place").
+    // A message's first block (`starts`) waits while `in_use_limit` of its own blocks are in
+    // use; the later blocks of a message never do, so a message larger than the limit still
+    // gets all of its blocks.
+    let stash = std::cell::RefCell::new(Vec::<usize>::new());
+    let own = free_lists.first_in_place;
+    let take_free = |starts: bool| {
         loop {
+            let mut free_now = stash.borrow_mut();
+            free_now.extend(free.try_iter());
+            let limited =
+                starts && own - free_now.len() >= free_lists.in_use_limit.load(Ordering::Relaxed);
+            if !limited {
+                if let Some(i) = free_now.pop() {
+                    return Some(i);
+                }
+                if let Ok(i) = in_place.try_recv() {
+                    return Some(i);
+                }
+            }
+            drop(free_now);
             let mut sel = Select::new();
             sel.recv(&free);
-            sel.recv(&in_place);
+            if !limited {
+                sel.recv(&in_place);
+            }
             match sel.select_timeout(Duration::from_millis(50)) {
                 Ok(op) => {
-                    let list = if op.index() == 0 { &free } else { &in_place };
-                    if let Ok(i) = op.recv(list) {
-                        return Some(i);
+                    let own_block = op.index() == 0;
+                    let list = if own_block { &free } else { &in_place };
+                    match op.recv(list) {
+                        Ok(i) if own_block => stash.borrow_mut().push(i),
+                        Ok(i) => return Some(i),
+                        Err(_) => return None, // disconnected: the sender is gone
                     }
-                    return None; // disconnected: the sender is gone
                 }
                 Err(_) if !abort.load(Ordering::Acquire) => continue,
                 Err(_) => return None,
@@ -1131,7 +1153,9 @@ fn filling_loop(
                 }
                 continue;
             }
-            let Some(i) = take_free() else { return false };
+            let Some(i) = take_free(k == 0) else {
+                return false;
+            };
             let len = blocks.fill(i, |b| {
                 let used = h.write_header_with(b, |dst| payload.write(range.start, dst));
                 h.seal(b);
@@ -1412,13 +1436,13 @@ fn place(
 /// stops.
 fn write_batch(
     blocks: &SendBlocks,
-    take_free: &dyn Fn() -> Option<usize>,
+    take_free: &dyn Fn(bool) -> Option<usize>,
     filled: &Sender<ToSending>,
     batch: Batch<Vec<u8>>,
     lost: &std::cell::Cell<u64>,
 ) -> bool {
     let frames = frames_in(&batch);
-    let Some(i) = take_free() else {
+    let Some(i) = take_free(true) else {
         lost.set(lost.get() + frames.len() as u64);
         return false;
     };
@@ -1635,6 +1659,12 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                             layout.block_size
                         );
                         s.machine.handle_connected(layout);
+                        // Under a cache budget the filling thread keeps as few of its blocks
+                        // in use as the budget holds (at least MIN_FULL_BLOCKS).
+                        let limit = c.cache_budget().map_or(usize::MAX, |b| {
+                            (b / block_size.max(1)).max(crate::transport::MIN_FULL_BLOCKS)
+                        });
+                        s.free.in_use_limit.store(limit, Ordering::Relaxed);
                         // Lent blocks cost the sender no memory: when sources write in
                         // place at all, up to a quarter of the receiver's blocks (the machine's limit).
                         s.machine.set_max_lent(if t.opts.in_place_blocks > 0 {
