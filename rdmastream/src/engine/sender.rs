@@ -179,7 +179,8 @@ struct FreeLists {
     /// How many of the filling thread's own blocks it starts messages in while others are in
     /// use (filled, queued, in flight or waiting for a confirmation): all of them, or fewer
     /// under the connection's cache budget ([`Connection::cache_budget`], set by the sending
-    /// thread on connecting), so that the blocks it fills are still cached when they are sent.
+    /// thread on connecting), so that the blocks it fills are still cached when they are sent;
+    /// it then also takes the most recently freed block first.
     in_use_limit: Arc<AtomicUsize>,
 }
 
@@ -1042,23 +1043,29 @@ fn filling_loop(
     let mut waiting: Vec<(u8, Receiver<Msg>, Arc<QueueState>)> = Vec::new();
     let mut control_open = true;
     // Takes a free send block; gives up only on abort.
-    // Its own blocks first, the most recently freed one first (the one most likely still
-    // cached); with none free, an in-place block that is free borrowed (so a sender whose
-    // sources do not reserve still fills with every block). It never depends on an in-place
-    // block: it takes whichever comes free first (docs/protocol.md, "Frames written in place").
-    // A message's first block (`starts`) waits while `in_use_limit` of its own blocks are in
-    // use; the later blocks of a message never do, so a message larger than the limit still
-    // gets all of its blocks.
-    let stash = std::cell::RefCell::new(Vec::<usize>::new());
+    // Its own blocks first, in the order they were freed; with none free, an in-place block
+    // that is free borrowed (so a sender whose sources do not reserve still fills with every
+    // block). It never depends on an in-place block: it takes whichever comes free first
+    // (docs/protocol.md, "Frames written in place").
+    // Under a cache budget (`in_use_limit` set) the most recently freed block comes first (the
+    // one most likely still cached), and a message's first block (`starts`) waits while that
+    // many of its own blocks are in use; the later blocks of a message never do, so a message
+    // larger than the limit still gets all of its blocks.
+    let stash = std::cell::RefCell::new(std::collections::VecDeque::<usize>::new());
     let own = free_lists.first_in_place;
     let take_free = |starts: bool| {
         loop {
             let mut free_now = stash.borrow_mut();
             free_now.extend(free.try_iter());
-            let limited =
-                starts && own - free_now.len() >= free_lists.in_use_limit.load(Ordering::Relaxed);
+            let limit = free_lists.in_use_limit.load(Ordering::Relaxed);
+            let limited = starts && own.saturating_sub(free_now.len()) >= limit;
             if !limited {
-                if let Some(i) = free_now.pop() {
+                let next = if limit == usize::MAX {
+                    free_now.pop_front()
+                } else {
+                    free_now.pop_back()
+                };
+                if let Some(i) = next {
                     return Some(i);
                 }
                 if let Ok(i) = in_place.try_recv() {
@@ -1076,7 +1083,7 @@ fn filling_loop(
                     let own_block = op.index() == 0;
                     let list = if own_block { &free } else { &in_place };
                     match op.recv(list) {
-                        Ok(i) if own_block => stash.borrow_mut().push(i),
+                        Ok(i) if own_block => stash.borrow_mut().push_back(i),
                         Ok(i) => return Some(i),
                         Err(_) => return None, // disconnected: the sender is gone
                     }
