@@ -82,6 +82,8 @@ struct Run {
     poll_max: u32,
     /// rdmasrc's `blocks` (0: not set, its default 16).
     blocks: u32,
+    /// rdmasrc's `max-buffers` (0: not set, its default 8).
+    max_buffers: u32,
 }
 
 fn caps() -> String {
@@ -138,6 +140,9 @@ impl Run {
                 match self.blocks {
                     0 => String::new(),
                     n => format!(" blocks={n}"),
+                } + &match self.max_buffers {
+                    0 => String::new(),
+                    n => format!(" max-buffers={n}"),
                 }
             ),
             Variant::Tcp => format!("tcpclientsrc host=127.0.0.1 port={port} ! gdpdepay"),
@@ -201,6 +206,7 @@ fn child(args: &[String]) {
         poll_spin: get("--poll-spin").parse().unwrap(),
         poll_max: get("--poll-max").parse().unwrap(),
         blocks: get("--blocks").parse().unwrap(),
+        max_buffers: get("--max-buffers").parse().unwrap(),
     };
     let start: u64 = get("--start").parse().unwrap();
     let end: u64 = get("--end").parse().unwrap();
@@ -318,6 +324,8 @@ fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
             &run.poll_max.to_string(),
             "--blocks",
             &run.blocks.to_string(),
+            "--max-buffers",
+            &run.max_buffers.to_string(),
             "--start",
             &start.to_string(),
             "--end",
@@ -381,12 +389,12 @@ fn main() {
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500] [--blocks 0]\n\
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500] [--blocks 0] [--max-buffers 0]\n\
              Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
              for 640x480 RGB at 25 fps and unthrottled. --in-place: videotestsrc writes into \
              rdmasink's pool of send blocks (otherwise every sink copies each frame). --poll-spin, \
              --poll-max: rdmasrc's poll-spin and poll-max (µs). --blocks: rdmasrc's blocks \
-             (0: its default, 16)."
+             (0: its default, 16). --max-buffers: rdmasrc's max-buffers (0: its default, 8)."
         );
         return;
     }
@@ -398,6 +406,7 @@ fn main() {
     let poll_spin: u32 = opt("--poll-spin", "50").parse().expect("--poll-spin");
     let poll_max: u32 = opt("--poll-max", "500").parse().expect("--poll-max");
     let blocks: u32 = opt("--blocks", "0").parse().expect("--blocks");
+    let max_buffers: u32 = opt("--max-buffers", "0").parse().expect("--max-buffers");
     gst::init().unwrap();
     let dir = std::env::temp_dir().join(format!("gst-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -425,6 +434,7 @@ fn main() {
                 poll_spin,
                 poll_max,
                 blocks,
+                max_buffers,
                 socket: dir
                     .join(format!("shm-{}-{live}", variant.name()))
                     .display()
