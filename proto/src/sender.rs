@@ -280,8 +280,8 @@ impl SenderMachine {
     /// block is taken first instead of the next round-robin, so the same few blocks are written
     /// again while their lines are still cached. With `n` reached the machine syncs (and backs
     /// off like a sync that found no free block). `None` (the default): no limit, round-robin,
-    /// as the paper's sender. The driver sets it from the connection each turn
-    /// ([`crate::SenderMachine`]'s callers: `Connection::cache_budget`).
+    /// as the paper's sender. The engine's driver sets it each turn from the connection's cache
+    /// budget.
     pub fn set_max_full(&mut self, n: Option<usize>) {
         self.max_full = n.map(|n| n.max(2));
     }
@@ -394,7 +394,7 @@ impl SenderMachine {
     /// Whether the cache shows a free remote block that may be written now (within
     /// [`Self::set_max_full`]'s limit, if one is set).
     pub fn has_free_block(&self) -> bool {
-        self.usable_in_cache() > 0
+        self.remote.contains(&status::EMPTY) && self.under_max_full()
     }
 
     /// A connection is up with a fresh receiver region. The cache is unknown until the first
@@ -547,7 +547,7 @@ impl SenderMachine {
         }
         self.unsure.clear();
         let progress = match why {
-            SyncFor::Block => self.usable_in_cache() > 0,
+            SyncFor::Block => self.has_free_block(),
             SyncFor::Confirmations => confirmed > 0,
         };
         if progress {
@@ -593,7 +593,7 @@ impl SenderMachine {
             && self.queue.is_empty()
             && self.in_flight.is_empty()
             && self.lent.len() < self.lend_cap()
-            && self.usable_in_cache() == 0
+            && !self.has_free_block()
         {
             // Blocks to lend are wanted and the cache shows none free.
             return self.try_sync(SyncFor::Block);
@@ -649,13 +649,20 @@ impl SenderMachine {
     /// [`Self::set_max_full`] only as many as keep the FULL ones within the limit.
     fn usable_in_cache(&self) -> usize {
         let free = self.free_in_cache();
-        match self.max_full {
-            None => free,
-            Some(max) => {
-                let full = self.remote.iter().filter(|&&b| b == status::FULL).count();
-                free.min(max.saturating_sub(full))
-            }
-        }
+        self.max_full.map_or(free, |max| {
+            free.min(max.saturating_sub(self.full_in_cache()))
+        })
+    }
+
+    /// Blocks the cache shows FULL (lent ones included).
+    fn full_in_cache(&self) -> usize {
+        self.remote.iter().filter(|&&b| b == status::FULL).count()
+    }
+
+    /// Whether another block may be made FULL under [`Self::set_max_full`] (always without a
+    /// limit: then nothing is counted, as before the limit existed).
+    fn under_max_full(&self) -> bool {
+        self.max_full.is_none_or(|max| self.full_in_cache() < max)
     }
 
     /// With this many free blocks left in the cache, a write asks for a sync at once
@@ -701,7 +708,7 @@ impl SenderMachine {
     }
 
     fn find_free_block(&mut self, n: usize) -> Option<usize> {
-        if self.usable_in_cache() == 0 {
+        if !self.under_max_full() {
             return None;
         }
         let start = if self.max_full.is_some() {

@@ -853,10 +853,11 @@ impl Connection for VerbsConnection {
     ) -> Option<Box<dyn rdmastream::transport::LeasedBlock>> {
         None
     }
-    /// Off until measured on a real NIC (see the trait).
+    /// None: the region is the receiver host's memory, and a sync is a round trip.
     fn cache_budget(&self) -> Option<usize> {
         None
     }
+    /// Off until measured on a real NIC (see the trait).
     fn syncs_early(&self) -> bool {
         false
     }

@@ -1667,9 +1667,9 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                         );
                         s.machine.handle_connected(layout);
                         // Under a cache budget the filling thread keeps as few of its blocks
-                        // in use as the budget holds (at least MIN_FULL_BLOCKS).
+                        // in use as the budget holds.
                         let limit = c.cache_budget().map_or(usize::MAX, |b| {
-                            (b / block_size.max(1)).max(crate::transport::MIN_FULL_BLOCKS)
+                            crate::transport::blocks_within(b, block_size)
                         });
                         s.free.in_use_limit.store(limit, Ordering::Relaxed);
                         // Lent blocks cost the sender no memory: when sources write in

@@ -163,21 +163,27 @@ pub trait Connection: Send {
 }
 
 /// The shm transport's [`Connection::cache_budget`]: half of the 32 MiB last-level cache of the
-/// machine it was measured on. Remote blocks of 4 MiB and 8 MiB (16 of them, lossless, against
-/// a plain TCP loopback copy) gained 18–25 % from it; blocks of 1 MiB and less never reach it
-/// with 16 blocks, so nothing changes for them. See README, "Frames written in place".
+/// machine it was measured on. The lossless engine with 16 + 16 blocks of 4 MiB and 8 MiB moved
+/// 1.2–2.2× as much with it; blocks of 1 MiB and less never reach it with 16 blocks, so nothing
+/// changes for them. See README and docs/protocol.md, "The working set on one host".
 pub const SHM_CACHE_BUDGET: usize = 16 << 20;
 
 /// At least this many remote blocks may be FULL under a [`Connection::cache_budget`], however
 /// large the blocks: with fewer the sender waits for the receiver at every block.
 pub const MIN_FULL_BLOCKS: usize = 4;
 
+/// How many blocks of `block_size` bytes a cache budget of `budget` bytes holds: at least
+/// [`MIN_FULL_BLOCKS`]. Both ends of the sender use it: the remote blocks kept FULL
+/// ([`max_full_blocks`]) and the filling thread's own blocks in use.
+pub fn blocks_within(budget: usize, block_size: usize) -> usize {
+    (budget / block_size.max(1)).max(MIN_FULL_BLOCKS)
+}
+
 /// The [`crate::proto::SenderMachine::set_max_full`] limit for a connection: `None` when it has
 /// no cache budget or its budget holds all of the receiver's blocks anyway.
 pub fn max_full_blocks(conn: &dyn Connection) -> Option<usize> {
-    let budget = conn.cache_budget()?;
     let layout = conn.layout();
-    let n = (budget / layout.block_size.max(1)).max(MIN_FULL_BLOCKS);
+    let n = blocks_within(conn.cache_budget()?, layout.block_size);
     (n < layout.blocks).then_some(n)
 }
 
