@@ -2381,7 +2381,17 @@ impl rdmastream::engine::FrameSink for Digests {
 fn lossless_messages_longer_than_the_shm_cache_budget_still_get_through() {
     let block_size = 4 << 20;
     let cap = rdmastream::proto::payload_capacity(block_size);
-    let (_dir, listener, connector) = shm_endpoints(settings(8, block_size, vec![]));
+    // A 16 MiB budget whatever this host's cache: a limit of 4 blocks, fewer than a message's.
+    let dir = tempfile::tempdir().unwrap();
+    let listener =
+        rdmastream_verbs::shm::listen(&dir.path().join("rx.sock"), settings(8, block_size, vec![]))
+            .unwrap();
+    let connector: Box<dyn Connector> = Box::new(
+        rdmastream_verbs::shm::ShmConnector::new(&listener.local_addr())
+            .unwrap()
+            .with_cache_budget(Some(16 << 20)),
+    );
+    let listener: Box<dyn Listener> = Box::new(listener);
     let sink = Arc::new(Digests::default());
     let receiver =
         ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone()).unwrap();

@@ -350,6 +350,7 @@ pub struct ShmConnector {
     addr: String,
     path: PathBuf,
     peer_timeout: Duration,
+    cache_budget: Option<usize>,
 }
 
 impl ShmConnector {
@@ -365,7 +366,16 @@ impl ShmConnector {
             path: path.to_path_buf(),
             addr: addr.to_string(),
             peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+            cache_budget: Some(rdmastream::transport::shm_cache_budget()),
         })
+    }
+
+    /// Keeps at most `budget` bytes of the receiver's region FULL at once (`None`: no limit)
+    /// instead of this host's budget, [`rdmastream::transport::shm_cache_budget`] (see
+    /// [`Connection::cache_budget`]).
+    pub fn with_cache_budget(mut self, budget: Option<usize>) -> ShmConnector {
+        self.cache_budget = budget;
+        self
     }
 
     /// Gives a connection up when the receiver has been silent on the socket for `timeout`.
@@ -462,6 +472,7 @@ impl Connector for ShmConnector {
             side,
             side_state: crate::side::SenderSide::new("socket"),
             peer_timeout: self.peer_timeout,
+            cache_budget: self.cache_budget,
         }))
     }
 }
@@ -481,6 +492,7 @@ pub struct ShmConnection {
     /// Heartbeats and notices on the socket.
     side_state: crate::side::SenderSide,
     peer_timeout: Duration,
+    cache_budget: Option<usize>,
 }
 
 impl ShmConnection {
@@ -576,7 +588,7 @@ impl Connection for ShmConnection {
         true
     }
     fn cache_budget(&self) -> Option<usize> {
-        Some(rdmastream::transport::SHM_CACHE_BUDGET)
+        self.cache_budget
     }
     fn peer(&self) -> &str {
         &self.peer

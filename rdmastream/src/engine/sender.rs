@@ -1665,6 +1665,16 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                             layout.blocks,
                             layout.block_size
                         );
+                        if let (Some(k), Some(budget)) = (
+                            crate::transport::max_full_blocks(c.as_ref()),
+                            c.cache_budget(),
+                        ) {
+                            tracing::info!(
+                                peer = c.peer(),
+                                "at most {k} of the {} remote blocks full at once: they share this host's cache (a budget of {budget} bytes)",
+                                layout.blocks
+                            );
+                        }
                         s.machine.handle_connected(layout);
                         // Under a cache budget the filling thread keeps as few of its blocks
                         // in use as the budget holds.

@@ -162,11 +162,96 @@ pub trait Connection: Send {
     fn cache_budget(&self) -> Option<usize>;
 }
 
-/// The shm transport's [`Connection::cache_budget`]: half of the 32 MiB last-level cache of the
-/// machine it was measured on. The lossless engine with 16 + 16 blocks of 4 MiB and 8 MiB moved
-/// 1.2–2.2× as much with it; blocks of 1 MiB and less never reach it with 16 blocks, so nothing
-/// changes for them. See README and docs/protocol.md, "The working set on one host".
+/// The shm transport's [`Connection::cache_budget`] where the machine's cache size cannot be read
+/// (see [`shm_cache_budget`]): half of the 32 MiB last-level cache of the machine it was
+/// measured on. The lossless engine with 16 + 16 blocks of 4 MiB and 8 MiB moved 1.2–2.2× as
+/// much with it; blocks of 1 MiB and less never reach it with 16 blocks, so nothing changes for
+/// them. See README and docs/protocol.md, "The working set on one host".
 pub const SHM_CACHE_BUDGET: usize = 16 << 20;
+
+/// The smallest and largest budget [`shm_cache_budget`] takes from the machine's cache size: a
+/// cache sysfs reports as tiny or huge (a VM's made-up figures) cannot turn the limit into one
+/// block at a time or into no limit at all.
+pub const SHM_CACHE_BUDGET_RANGE: (usize, usize) = (4 << 20, 256 << 20);
+
+/// The shm transport's cache budget on this machine: half of the last-level cache CPU 0 reports
+/// (`/sys/devices/system/cpu/cpu0/cache`), within [`SHM_CACHE_BUDGET_RANGE`], or
+/// [`SHM_CACHE_BUDGET`] when sysfs does not say (a container without `/sys`, another OS). Read
+/// once per process.
+pub fn shm_cache_budget() -> usize {
+    static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+        let cache = last_level_cache(dir);
+        let budget = budget_from_cache(cache);
+        match cache {
+            Some(c) => tracing::debug!(
+                "shm cache budget: {budget} bytes, from the {c}-byte last-level cache in {}",
+                dir.display()
+            ),
+            None => tracing::debug!(
+                "shm cache budget: {budget} bytes, the built-in default ({} gives no cache size)",
+                dir.display()
+            ),
+        }
+        budget
+    })
+}
+
+/// The budget for a last-level cache of `cache` bytes (see [`shm_cache_budget`]).
+pub fn budget_from_cache(cache: Option<usize>) -> usize {
+    let (lo, hi) = SHM_CACHE_BUDGET_RANGE;
+    cache.map_or(SHM_CACHE_BUDGET, |c| (c / 2).clamp(lo, hi))
+}
+
+/// The size in bytes of the highest-level data or unified cache listed under `dir` (sysfs'
+/// `cpuN/cache`: `index*/level`, `type`, `size` such as `32768K`), or `None` when there is none
+/// or a file does not parse.
+pub fn last_level_cache(dir: &std::path::Path) -> Option<usize> {
+    let read = |entry: &std::path::Path, name: &str| {
+        std::fs::read_to_string(entry.join(name))
+            .ok()
+            .map(|s| s.trim().to_owned())
+    };
+    let mut best: Option<(u32, usize)> = None;
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        if !entry.file_name().to_string_lossy().starts_with("index") {
+            continue;
+        }
+        let (Some(level), Some(kind), Some(size)) = (
+            read(&path, "level").and_then(|l| l.parse::<u32>().ok()),
+            read(&path, "type"),
+            read(&path, "size").and_then(|s| parse_cache_size(&s)),
+        ) else {
+            continue;
+        };
+        if kind == "Instruction" {
+            continue;
+        }
+        if best.is_none_or(|(l, _)| level > l) {
+            best = Some((level, size));
+        }
+    }
+    best.map(|(_, size)| size)
+}
+
+/// Parses sysfs' cache size notation: a number of bytes, or with a `K`, `M` or `G` suffix.
+fn parse_cache_size(s: &str) -> Option<usize> {
+    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => s.split_at(i),
+        None => (s, ""),
+    };
+    let n: usize = digits.parse().ok()?;
+    let shift = match unit {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        _ => return None,
+    };
+    n.checked_mul(1 << shift).filter(|&b| b > 0)
+}
 
 /// At least this many remote blocks may be FULL under a [`Connection::cache_budget`], however
 /// large the blocks: with fewer the sender waits for the receiver at every block.
@@ -768,6 +853,65 @@ impl std::fmt::Display for Kind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A fake sysfs `cache` directory: one `index*` entry per (level, type, size).
+    fn cache_dir(name: &str, entries: &[(&str, &str, &str)]) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("rdmastream-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for (i, (level, kind, size)) in entries.iter().enumerate() {
+            let e = dir.join(format!("index{i}"));
+            std::fs::create_dir_all(&e).unwrap();
+            std::fs::write(e.join("level"), format!("{level}\n")).unwrap();
+            std::fs::write(e.join("type"), format!("{kind}\n")).unwrap();
+            std::fs::write(e.join("size"), format!("{size}\n")).unwrap();
+        }
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn the_shm_cache_budget_is_half_the_last_level_cache_sysfs_lists() {
+        // This machine's layout: L1d, L1i, L2, L3 of 32 MiB.
+        let dir = cache_dir(
+            "llc",
+            &[
+                ("1", "Data", "32K"),
+                ("1", "Instruction", "32K"),
+                ("2", "Unified", "512K"),
+                ("3", "Unified", "32768K"),
+            ],
+        );
+        assert_eq!(last_level_cache(&dir), Some(32 << 20));
+        assert_eq!(budget_from_cache(last_level_cache(&dir)), 16 << 20);
+        // An instruction cache is never the last level; M and plain bytes parse too.
+        let dir = cache_dir(
+            "llc-kinds",
+            &[("2", "Data", "2M"), ("4", "Instruction", "1G")],
+        );
+        assert_eq!(last_level_cache(&dir), Some(2 << 20));
+        let dir = cache_dir("llc-bytes", &[("3", "Unified", "100663296")]);
+        assert_eq!(budget_from_cache(last_level_cache(&dir)), 48 << 20);
+        // Clamped: a tiny or a made-up huge cache.
+        assert_eq!(budget_from_cache(Some(1 << 20)), 4 << 20);
+        assert_eq!(budget_from_cache(Some(8 << 30)), 256 << 20);
+    }
+
+    #[test]
+    fn no_readable_cache_size_gives_the_built_in_budget() {
+        let missing = std::env::temp_dir().join("rdmastream-no-such-cache-dir");
+        assert_eq!(last_level_cache(&missing), None);
+        assert_eq!(budget_from_cache(None), SHM_CACHE_BUDGET);
+        // Sizes that do not parse are skipped, not read as zero.
+        for bad in ["", "K", "32X", "0K", "-1", "99999999999999999999G"] {
+            assert_eq!(parse_cache_size(bad), None, "{bad:?}");
+            let dir = cache_dir("llc-bad", &[("3", "Unified", bad)]);
+            assert_eq!(last_level_cache(&dir), None, "{bad:?}");
+        }
+        let dir = cache_dir("llc-bad-level", &[("three", "Unified", "32M")]);
+        assert_eq!(last_level_cache(&dir), None);
+        let dir = cache_dir("llc-empty", &[]);
+        assert_eq!(last_level_cache(&dir), None);
+    }
 
     fn frames(notices: &[Notice]) -> Vec<u8> {
         let mut b = vec![SIDE_HEARTBEAT];
