@@ -1135,10 +1135,20 @@ fn coalesced_small_messages_arrive_verified_over_tcp_and_shm() {
 fn shm_endpoints(
     settings: RegionSettings,
 ) -> (tempfile::TempDir, Box<dyn Listener>, Box<dyn Connector>) {
+    shm_endpoints_with_budget(settings, Some(rdmastream::transport::shm_cache_budget()))
+}
+
+/// [`shm_endpoints`] with the sender's cache budget pinned instead of this host's.
+fn shm_endpoints_with_budget(
+    settings: RegionSettings,
+    budget: Option<usize>,
+) -> (tempfile::TempDir, Box<dyn Listener>, Box<dyn Connector>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("rx.sock");
     let listener = rdmastream_verbs::shm::listen(&path, settings).unwrap();
-    let connector = rdmastream_verbs::shm::ShmConnector::new(&listener.local_addr()).unwrap();
+    let connector = rdmastream_verbs::shm::ShmConnector::new(&listener.local_addr())
+        .unwrap()
+        .with_cache_budget(budget);
     (dir, Box::new(listener), Box::new(connector))
 }
 
@@ -2382,16 +2392,8 @@ fn lossless_messages_longer_than_the_shm_cache_budget_still_get_through() {
     let block_size = 4 << 20;
     let cap = rdmastream::proto::payload_capacity(block_size);
     // A 16 MiB budget whatever this host's cache: a limit of 4 blocks, fewer than a message's.
-    let dir = tempfile::tempdir().unwrap();
-    let listener =
-        rdmastream_verbs::shm::listen(&dir.path().join("rx.sock"), settings(8, block_size, vec![]))
-            .unwrap();
-    let connector: Box<dyn Connector> = Box::new(
-        rdmastream_verbs::shm::ShmConnector::new(&listener.local_addr())
-            .unwrap()
-            .with_cache_budget(Some(16 << 20)),
-    );
-    let listener: Box<dyn Listener> = Box::new(listener);
+    let (_dir, listener, connector) =
+        shm_endpoints_with_budget(settings(8, block_size, vec![]), Some(16 << 20));
     let sink = Arc::new(Digests::default());
     let receiver =
         ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone()).unwrap();

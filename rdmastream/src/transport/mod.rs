@@ -205,8 +205,8 @@ pub fn budget_from_cache(cache: Option<usize>) -> usize {
 }
 
 /// The size in bytes of the highest-level data or unified cache listed under `dir` (sysfs'
-/// `cpuN/cache`: `index*/level`, `type`, `size` such as `32768K`), or `None` when there is none
-/// or a file does not parse.
+/// `cpuN/cache`: `index*/level`, `type`, `size` such as `32768K`), or `None` when there is none.
+/// An entry whose level, type or size does not read or parse is skipped.
 pub fn last_level_cache(dir: &std::path::Path) -> Option<usize> {
     let read = |entry: &std::path::Path, name: &str| {
         std::fs::read_to_string(entry.join(name))
@@ -854,8 +854,24 @@ impl std::fmt::Display for Kind {
 mod tests {
     use super::*;
 
+    /// A fake sysfs `cache` directory, removed when dropped.
+    struct CacheDir(std::path::PathBuf);
+
+    impl std::ops::Deref for CacheDir {
+        type Target = std::path::Path;
+        fn deref(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+
+    impl Drop for CacheDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
     /// A fake sysfs `cache` directory: one `index*` entry per (level, type, size).
-    fn cache_dir(name: &str, entries: &[(&str, &str, &str)]) -> std::path::PathBuf {
+    fn cache_dir(name: &str, entries: &[(&str, &str, &str)]) -> CacheDir {
         let dir = std::env::temp_dir().join(format!("rdmastream-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         for (i, (level, kind, size)) in entries.iter().enumerate() {
@@ -866,7 +882,7 @@ mod tests {
             std::fs::write(e.join("size"), format!("{size}\n")).unwrap();
         }
         std::fs::create_dir_all(&dir).unwrap();
-        dir
+        CacheDir(dir)
     }
 
     #[test]
