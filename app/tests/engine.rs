@@ -152,12 +152,15 @@ fn mem_transport_delivers_every_frame_verified() {
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(4, 4096, vec![]));
     // 64×48×3 = 9216 bytes: each camera frame spans 3 blocks.
-    run_session(
+    let report = run_session(
         Box::new(listener),
         Box::new(fabric.connector("rx")),
         4096,
         60,
     );
+    // Work over mem completes as it is posted: the filling thread drives the connection itself
+    // whenever the sending thread is not at work.
+    assert!(report.driven_here > 0, "{report:?}");
 }
 
 #[test]
@@ -173,6 +176,8 @@ fn tcp_transport_delivers_every_frame_verified_with_a_retained_block() {
     // The tcp transport counts what the status-byte sender posted: a WRITE chain of two work
     // requests per block and one READ per sync, on one completion queue.
     let (m, w) = (report.machine, report.work);
+    // The emulated NIC completes work on its own thread: only the sending thread drives it.
+    assert_eq!(report.driven_here, 0);
     assert_eq!(w.send_wrs, 2 * m.writes + m.syncs, "{w:?} {m:?}");
     assert_eq!(w.recv_wrs, 0);
     assert_eq!(w.cqs, 1);
@@ -846,6 +851,189 @@ fn a_new_receiver_gets_the_format_again_after_a_reconnect() {
         events[..first_frame].iter().any(|e| e.2 == "format"),
         "no format before the first frame: {events:?}"
     );
+}
+
+/// A connector whose connections fail one post (a write chain or a sync): the `n`-th over all
+/// its connections, as a transport that completes work as it is posted may fail one under a
+/// handing thread.
+struct FailingPost {
+    inner: Box<dyn Connector>,
+    left: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+struct FailingConnection {
+    inner: Box<dyn rdmastream::transport::Connection>,
+    left: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl FailingConnection {
+    /// Fails once the count runs out (that once only).
+    fn check(&self) -> rdmastream::Result<()> {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire};
+        match self
+            .left
+            .fetch_update(AcqRel, Acquire, |n| n.checked_sub(1))
+        {
+            Ok(1) => Err(rdmastream::Error::Disconnected {
+                peer: self.inner.peer().to_string(),
+                reason: "a post failed (injected by the test)".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Connector for FailingPost {
+    fn transport(&self) -> &'static str {
+        self.inner.transport()
+    }
+    fn placement(&self) -> Placement {
+        self.inner.placement()
+    }
+    fn peer(&self) -> String {
+        self.inner.peer()
+    }
+    fn connect(
+        &self,
+        hello: &rdmastream::proto::handshake::Hello,
+        key: Option<&Key>,
+        blocks: &Arc<rdmastream::transport::SendBlocks>,
+    ) -> rdmastream::Result<Box<dyn rdmastream::transport::Connection>> {
+        Ok(Box::new(FailingConnection {
+            inner: self.inner.connect(hello, key, blocks)?,
+            left: self.left.clone(),
+        }))
+    }
+    fn connect_window(
+        &self,
+        hello: &rdmastream::proto::handshake::Hello,
+        key: Option<&Key>,
+        blocks: &Arc<rdmastream::transport::SendBlocks>,
+    ) -> rdmastream::Result<Box<dyn rdmastream::transport::WindowConnection>> {
+        self.inner.connect_window(hello, key, blocks)
+    }
+    fn alloc_send_blocks(
+        &self,
+        count: usize,
+        block_size: usize,
+    ) -> rdmastream::Result<Arc<rdmastream::transport::SendBlocks>> {
+        self.inner.alloc_send_blocks(count, block_size)
+    }
+}
+
+impl rdmastream::transport::Connection for FailingConnection {
+    fn peer(&self) -> &str {
+        self.inner.peer()
+    }
+    fn layout(&self) -> rdmastream::proto::RemoteLayout {
+        self.inner.layout()
+    }
+    fn post_write_chain(
+        &mut self,
+        wr_id: u64,
+        chain: &[rdmastream::transport::WriteWr<'_>],
+    ) -> rdmastream::Result<()> {
+        self.check()?;
+        self.inner.post_write_chain(wr_id, chain)
+    }
+    fn post_read(
+        &mut self,
+        wr_id: u64,
+        remote: rdmastream::transport::RemoteAddr,
+        len: usize,
+    ) -> rdmastream::Result<()> {
+        self.check()?;
+        self.inner.post_read(wr_id, remote, len)
+    }
+    fn poll_completions(
+        &mut self,
+        out: &mut Vec<Completion>,
+        timeout: Duration,
+    ) -> rdmastream::Result<()> {
+        self.inner.poll_completions(out, timeout)
+    }
+    fn heartbeat(&mut self) -> rdmastream::Result<()> {
+        self.inner.heartbeat()
+    }
+    fn take_notices(&mut self) -> Vec<rdmastream::transport::Notice> {
+        self.inner.take_notices()
+    }
+    fn lend_block(
+        &self,
+        remote_block: usize,
+    ) -> Option<Box<dyn rdmastream::transport::LeasedBlock>> {
+        self.inner.lend_block(remote_block)
+    }
+    fn syncs_early(&self) -> bool {
+        self.inner.syncs_early()
+    }
+    fn cache_budget(&self) -> Option<usize> {
+        self.inner.cache_budget()
+    }
+    fn completes_at_once(&self) -> bool {
+        self.inner.completes_at_once()
+    }
+}
+
+/// Over shm the thread that commits a frame written into a receiver's block posts its status
+/// byte itself while the sending thread waits (`SenderReport::driven_here`). When such a post
+/// fails, that thread hands the error to the sending thread and wakes it, and the sending
+/// thread reconnects; the frames after it arrive over the new connection, in order and
+/// bit-exact. A handing thread that swallowed the error and left the sending thread asleep
+/// would leave a chain that never completes on a connection nobody renews (checked: this test
+/// then fails, one connection in the report and that block unsent).
+#[test]
+fn a_post_that_fails_on_a_committing_thread_is_reconnected_by_the_sending_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
+    let connector = FailingPost {
+        inner: Box::new(rdmastream_verbs::shm::ShmConnector::new(&listener.local_addr()).unwrap()),
+        left: Arc::new(std::sync::atomic::AtomicUsize::new(40)),
+    };
+    let (sink, receiver) = hoarding(Box::new(listener));
+    let opts = SenderOptions {
+        name: "failing".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: 4096,
+        in_place_blocks: 2,
+        reconnect_min: Duration::from_millis(20),
+        reconnect_max: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(connector), 64).unwrap();
+    let input = s.add_device(3, DropPolicy::DropOldest);
+    let mut index = 0u64;
+    let mut sent = std::collections::HashMap::new();
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            if let Ok(mut r) = input.reserve(100, Duration::from_millis(20)) {
+                let bytes = Rendered::bytes(index as u8, 100);
+                r.payload_mut().copy_from_slice(&bytes);
+                assert!(r.commit(meta(index)));
+                sent.insert(index, bytes);
+                index += 1;
+            }
+            sink.0.lock().unwrap().len() >= 80
+        }),
+        "frames stopped arriving ({index} committed, {} arrived; sender: {:?})",
+        sink.0.lock().unwrap().len(),
+        s.machine_stats()
+    );
+    input.end();
+    let report = s.finish(Duration::from_secs(10)).unwrap();
+    receiver.stop();
+    assert_eq!(report.connections, 2, "{report:?}");
+    assert_eq!(report.unsent, 0, "{report:?}");
+    assert!(report.driven_here > 0, "{report:?}");
+    let got = sink.0.lock().unwrap();
+    let mut last = None;
+    for (i, data) in got.iter() {
+        assert!(last < Some(*i), "frame {i} after frame {last:?}");
+        assert_eq!(data[..], sent[i][..], "frame {i}");
+        last = Some(*i);
+    }
 }
 
 /// A dropped listener has closed its socket by the time the drop returns, so a receiver
@@ -2068,6 +2256,9 @@ fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
     assert!(report.machine.placed >= remote as u64);
     assert!(report.machine.placed <= 60);
     assert_eq!(report.machine.stale_placed, 0);
+    // Their status bytes were posted by the committing (or filling) thread itself whenever the
+    // sending thread was not at work.
+    assert!(report.driven_here > 0, "{report:?}");
     receiver.stop();
 }
 

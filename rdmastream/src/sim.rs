@@ -357,6 +357,9 @@ impl Connection for SimConnection {
     fn syncs_early(&self) -> bool {
         true
     }
+    fn completes_at_once(&self) -> bool {
+        false
+    }
     fn peer(&self) -> &str {
         "simulated receiver"
     }

@@ -861,6 +861,9 @@ impl Connection for VerbsConnection {
     fn syncs_early(&self) -> bool {
         false
     }
+    fn completes_at_once(&self) -> bool {
+        false
+    }
     fn take_notices(&mut self) -> Vec<Notice> {
         self.side_state.take_notices()
     }

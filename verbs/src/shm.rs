@@ -587,6 +587,9 @@ impl Connection for ShmConnection {
     fn syncs_early(&self) -> bool {
         true
     }
+    fn completes_at_once(&self) -> bool {
+        true
+    }
     fn cache_budget(&self) -> Option<usize> {
         self.cache_budget
     }

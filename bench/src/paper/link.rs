@@ -219,6 +219,9 @@ impl Connection for Counted {
     fn syncs_early(&self) -> bool {
         self.inner.syncs_early()
     }
+    fn completes_at_once(&self) -> bool {
+        self.inner.completes_at_once()
+    }
 }
 
 /// The status-byte mechanism between a connector and a listener.

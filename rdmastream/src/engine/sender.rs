@@ -12,9 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{
-    Receiver, RecvTimeoutError, Select, SendTimeoutError, Sender, TrySendError,
-};
+use crossbeam_channel::{Receiver, Select, SendTimeoutError, Sender, TryRecvError, TrySendError};
+use parking_lot::MutexGuard;
 
 use super::{FrameData, FrameMeta, SourceFrame};
 use crate::error::{Error, Result, spawn};
@@ -396,7 +395,7 @@ struct Filler {
 #[derive(Clone)]
 struct Direct {
     filler: Arc<parking_lot::Mutex<Filler>>,
-    filled: Sender<ToSending>,
+    filled: Handoff,
     free: FreeLists,
     placement: Placement,
     /// Connection drops so far (the filling thread's `drops`).
@@ -697,6 +696,145 @@ enum ToSending {
     Frames(usize, Vec<(u8, usize, u64)>),
     /// Every device ended: finish what is queued, then close.
     Done,
+    /// Nothing to take in: a thread that drove the connection left something for the sending
+    /// thread to do (a retry on its timer, an error, the end), which it now sees.
+    Wake,
+}
+
+/// The sending thread's state: the protocol machine with what it keeps about the blocks, the
+/// connection, the driver. The sending thread holds it while it works and lets go of it while
+/// it waits. A thread handing a block over that finds it free, on a connection whose work
+/// completes as it is posted ([`Connection::completes_at_once`]: shm, mem), drives the
+/// connection itself ([`Handoff::send`]): the block's status byte (and, for a block in a send
+/// block, its copy) is then written on that thread, and the sending thread is woken only when
+/// something is left for it. One machine, one connection, one driver either way: only which
+/// thread turns it changes (docs/protocol.md, "Who drives the connection").
+struct SendState {
+    s: Sending,
+    conn: Option<Box<dyn Connection>>,
+    driver: super::Driver,
+    /// Every device ended (the filling thread said so).
+    done: bool,
+    /// What a handing thread ran into while it drove the connection: the connection is gone,
+    /// and the sending thread reconnects.
+    failed: Option<Error>,
+    /// Hand-overs taken in and driven on the handing thread ([`SenderReport::driven_here`]).
+    driven_here: u64,
+}
+
+/// Turns a handing thread takes at most on the connection before it lets go (each posts what
+/// the machine has and hands back what completed; the last ones lend freed blocks again).
+const TURNS_HERE: usize = 4;
+
+impl SendState {
+    fn intake(&mut self, ev: ToSending) {
+        self.s.intake(ev, &mut self.done);
+    }
+
+    /// Takes in what waits in the sending thread's channel. Only with the state held: a
+    /// handing thread puts a block into the state only when the channel is empty, so a block
+    /// taken out of the channel must be in the machine before anyone can see the channel empty
+    /// (else a block handed over after it could overtake it). A channel nobody can send to any
+    /// more means every device ended.
+    fn take_in(&mut self, rx: &Receiver<ToSending>) {
+        loop {
+            match rx.try_recv() {
+                Ok(ev) => self.intake(ev),
+                Err(TryRecvError::Empty) => return,
+                Err(TryRecvError::Disconnected) => {
+                    self.done = true;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Waits up to `wait` for something in the sending thread's channel, letting go of the state
+/// meanwhile (handing threads may drive the connection: see [`SendState`]), then takes it in
+/// with the state held again ([`SendState::take_in`]).
+fn wait_for_input(st: &mut MutexGuard<'_, SendState>, rx: &Receiver<ToSending>, wait: Duration) {
+    MutexGuard::unlocked(st, || {
+        let mut sel = Select::new();
+        sel.recv(rx);
+        let _ = sel.ready_timeout(wait);
+    });
+    st.take_in(rx);
+}
+
+impl SendState {
+    /// Whether a handing thread may drive the connection now.
+    fn drives_here(&self) -> bool {
+        self.failed.is_none() && self.conn.as_ref().is_some_and(|c| c.completes_at_once())
+    }
+
+    /// Drives the connection on this (handing) thread: turns until nothing more is posted or
+    /// completed, gives freed blocks back and lends receiver's blocks. True when the sending
+    /// thread has something to do: an error to act on, a retry or a completion to wait for,
+    /// queued blocks, the end.
+    fn drive_here(&mut self, lent: &LentBlocks) -> bool {
+        let Some(c) = self.conn.as_mut() else {
+            return true;
+        };
+        for _ in 0..TURNS_HERE {
+            let turn = self.driver.turn(
+                &mut self.s.machine,
+                c.as_mut(),
+                &Instant::now,
+                Duration::ZERO,
+            );
+            self.s.release_freed();
+            match turn {
+                Ok(turn) => {
+                    self.s.lend(c.as_ref(), lent);
+                    if turn.posted == 0 && turn.completed == 0 {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    self.failed = Some(e);
+                    return true;
+                }
+            }
+        }
+        let m = &self.s.machine;
+        self.done
+            || m.queued() > 0
+            || m.outstanding() > 0
+            || m.sync_in_flight()
+            || m.poll_timeout().is_some()
+    }
+}
+
+/// How filled and placed blocks reach the sending state: through the sending thread's channel,
+/// or, when nothing waits in it and the state is free on a connection that completes at once,
+/// straight into the state, driven on this thread ([`SendState`]). Blocks are handed over by
+/// threads that hold the filler lock, and the sending thread takes them out of the channel only
+/// with the state held ([`SendState::take_in`]), so the machine takes them in the order they
+/// were filled either way.
+#[derive(Clone)]
+struct Handoff {
+    tx: Sender<ToSending>,
+    state: Arc<parking_lot::Mutex<SendState>>,
+    lent: LentBlocks,
+}
+
+impl Handoff {
+    /// Hands `ev` over. False once the sender stopped.
+    fn send(&self, ev: ToSending) -> bool {
+        if self.tx.is_empty()
+            && let Some(mut state) = self.state.try_lock()
+            && state.drives_here()
+        {
+            state.intake(ev);
+            state.driven_here += 1;
+            if state.drive_here(&self.lent) {
+                let _ = self.tx.send(ToSending::Wake);
+            }
+            return true;
+        }
+        self.tx.send(ev).is_ok()
+    }
 }
 
 enum Control {
@@ -722,6 +860,10 @@ pub struct SenderReport {
     /// Work requests the sender posted and the queue depths it used, summed over its
     /// connections (as far as the transport counts them).
     pub work: crate::transport::WorkCounts,
+    /// Blocks (and other hand-overs) that the thread handing them over took into the sending
+    /// state and posted itself, without waking the sending thread: only on connections whose
+    /// work completes as it is posted (shm, mem; see [`Connection::completes_at_once`]).
+    pub driven_here: u64,
 }
 
 /// A running sender.
@@ -801,9 +943,31 @@ impl SenderHandle {
         // Blocks are sealed when filled, for whichever connection takes them: the
         // connector's transport decides how (docs/protocol.md, "Seal by transport").
         let placement = connector.placement();
+        let counters = Arc::new(Registry::default());
+        let state = Arc::new(parking_lot::Mutex::new(SendState {
+            s: Sending {
+                machine: SenderMachine::new(opts.max_outstanding),
+                meta: vec![None; opts.send_blocks],
+                coalesced: vec![Vec::new(); opts.send_blocks],
+                placed: std::collections::HashMap::new(),
+                next_ticket: 0,
+                free: free_lists.clone(),
+                counters: counters.clone(),
+            },
+            conn: None,
+            driver: super::Driver::new(),
+            done: false,
+            failed: None,
+            driven_here: 0,
+        }));
+        let handoff = Handoff {
+            tx: filled_tx,
+            state: state.clone(),
+            lent: lent.clone(),
+        };
         let direct = Direct {
             filler: filler.clone(),
-            filled: filled_tx.clone(),
+            filled: handoff.clone(),
             free: free_lists.clone(),
             placement,
             drops: drops.clone(),
@@ -829,7 +993,7 @@ impl SenderHandle {
                     blocks,
                     control_rx,
                     (free_rx, in_place, free_lists),
-                    filled_tx,
+                    handoff,
                     abort,
                     filler,
                     drops,
@@ -838,19 +1002,9 @@ impl SenderHandle {
                 )
             })?
         };
-        let counters = Arc::new(Registry::default());
         let reserve_blocks = blocks.clone();
         let in_place_blocks = opts.in_place_blocks;
         let sending = {
-            let state = Sending {
-                machine: SenderMachine::new(opts.max_outstanding),
-                meta: vec![None; opts.send_blocks],
-                coalesced: vec![Vec::new(); opts.send_blocks],
-                placed: std::collections::HashMap::new(),
-                next_ticket: 0,
-                free: free_lists,
-                counters: counters.clone(),
-            };
             let t = SendingThread {
                 opts,
                 connector,
@@ -860,10 +1014,11 @@ impl SenderHandle {
                 live: live.clone(),
                 drops,
                 lent: lent.clone(),
+                state,
             };
             let stopped = abort.clone();
             spawn("sending", move || {
-                let report = sending_thread(t, state);
+                let report = sending_thread(t);
                 // Whatever ended the sending thread, nothing more will be sent: release the
                 // filling thread and any source waiting in a full queue.
                 stopped.store(true, Ordering::Release);
@@ -988,7 +1143,7 @@ fn filling_thread(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
     free: (Receiver<usize>, Receiver<usize>, FreeLists),
-    filled: Sender<ToSending>,
+    filled: Handoff,
     abort: Arc<AtomicBool>,
     filler: Arc<parking_lot::Mutex<Filler>>,
     drops: Arc<AtomicU64>,
@@ -1004,7 +1159,7 @@ fn filling_thread(
             let _ = self.0.send(ToSending::Done);
         }
     }
-    let _done = DoneOnExit(filled.clone());
+    let _done = DoneOnExit(filled.tx.clone());
     let mut coalescer = Coalescer::new(blocks.block_size(), coalesce_wait);
     let lost = std::cell::Cell::new(0);
     filling_loop(
@@ -1028,7 +1183,7 @@ fn filling_loop(
     blocks: Arc<SendBlocks>,
     control: Receiver<Control>,
     (free, in_place, free_lists): (Receiver<usize>, Receiver<usize>, FreeLists),
-    filled: Sender<ToSending>,
+    filled: Handoff,
     abort: Arc<AtomicBool>,
     filler: &parking_lot::Mutex<Filler>,
     drops: Arc<AtomicU64>,
@@ -1168,17 +1323,14 @@ fn filling_loop(
                 h.seal(b);
                 used
             });
-            if filled
-                .send(ToSending::Block(Filled {
-                    index: i,
-                    len,
-                    device: msg.device,
-                    reliable: msg.reliable,
-                    last: k + 1 == count,
-                    frame_end,
-                }))
-                .is_err()
-            {
+            if !filled.send(ToSending::Block(Filled {
+                index: i,
+                len,
+                device: msg.device,
+                reliable: msg.reliable,
+                last: k + 1 == count,
+                frame_end,
+            })) {
                 return false;
             }
         }
@@ -1347,7 +1499,7 @@ fn one_block(msg: Option<Message>, c: &Committed) -> Option<Message> {
 /// stops.
 fn seal_committed(
     blocks: &SendBlocks,
-    filled: &Sender<ToSending>,
+    filled: &Handoff,
     free: &FreeLists,
     msg: Option<Message>,
     c: &mut Committed,
@@ -1363,7 +1515,7 @@ fn seal_committed(
 /// `c.block` and hands the block to the sending thread. False once the sender stops.
 fn seal_reserved(
     blocks: &SendBlocks,
-    filled: &Sender<ToSending>,
+    filled: &Handoff,
     free: &FreeLists,
     msg: Option<Message>,
     c: &Committed,
@@ -1382,30 +1534,28 @@ fn seal_reserved(
         used
     });
     let frame_end = (msg.kind == MessageKind::Frame).then_some((c.len, c.meta.timestamp_ns));
-    filled
-        .send(ToSending::Block(Filled {
-            index: c.block,
-            len,
-            device: msg.device,
-            reliable: msg.reliable,
-            last: true,
-            frame_end,
-        }))
-        .is_ok()
+    filled.send(ToSending::Block(Filled {
+        index: c.block,
+        len,
+        device: msg.device,
+        reliable: msg.reliable,
+        last: true,
+        frame_end,
+    }))
 }
 
 /// Writes header and seal around the payload a source wrote into a lent receiver's block (over
 /// shm: the block is in the receiver's memory) and has the sending thread post its status byte.
 /// False once the sender stops.
 fn seal_placed(
-    filled: &Sender<ToSending>,
+    filled: &Handoff,
     msg: Option<Message>,
     block: LentBlock,
     c: &Committed,
     placement: Placement,
 ) -> bool {
     let Some(msg) = one_block(msg, c) else {
-        return filled.send(ToSending::Returned(block.lent)).is_ok();
+        return filled.send(ToSending::Returned(block.lent));
     };
     let h = msg.headers[0].sealed_for(placement);
     let frame_end = (msg.kind == MessageKind::Frame).then_some((c.len, c.meta.timestamp_ns));
@@ -1417,7 +1567,7 @@ fn seal_placed(
 /// receiver's block `block`, lets go of it, and has the sending thread post its status byte.
 /// False once the sender stops.
 fn place(
-    filled: &Sender<ToSending>,
+    filled: &Handoff,
     mut block: LentBlock,
     h: &crate::proto::BlockHeader,
     payload: impl FnOnce(&mut [u8]),
@@ -1429,13 +1579,11 @@ fn place(
     h.seal(b);
     // The lease goes here, before the status byte is posted.
     let LentBlock { lent, .. } = block;
-    filled
-        .send(ToSending::Placed {
-            lent,
-            device,
-            frame_end,
-        })
-        .is_ok()
+    filled.send(ToSending::Placed {
+        lent,
+        device,
+        frame_end,
+    })
 }
 
 /// Writes one batch of the coalescer into a free send block (a lone message as a version 1
@@ -1444,7 +1592,7 @@ fn place(
 fn write_batch(
     blocks: &SendBlocks,
     take_free: &dyn Fn(bool) -> Option<usize>,
-    filled: &Sender<ToSending>,
+    filled: &Handoff,
     batch: Batch<Vec<u8>>,
     lost: &std::cell::Cell<u64>,
 ) -> bool {
@@ -1455,19 +1603,17 @@ fn write_batch(
     };
     let len = blocks.fill(i, |b| coalesce::encode_batch(&batch, b));
     // Only lossy, whole messages are ever held: no block here waits for a confirmation.
-    if !frames.is_empty() && filled.send(ToSending::Frames(i, frames)).is_err() {
+    if !frames.is_empty() && !filled.send(ToSending::Frames(i, frames)) {
         return false;
     }
-    filled
-        .send(ToSending::Block(Filled {
-            index: i,
-            len,
-            device: batch[0].0.device,
-            reliable: false,
-            last: true,
-            frame_end: None,
-        }))
-        .is_ok()
+    filled.send(ToSending::Block(Filled {
+        index: i,
+        len,
+        device: batch[0].0.device,
+        reliable: false,
+        last: true,
+        frame_end: None,
+    }))
 }
 
 /// The frames (device, payload bytes, capture time) among a batch's messages.
@@ -1516,6 +1662,7 @@ impl Sending {
             }
             ToSending::Frames(i, frames) => self.coalesced[i] = frames,
             ToSending::Done => *done = true,
+            ToSending::Wake => {}
         }
     }
 
@@ -1594,11 +1741,16 @@ struct SendingThread {
     drops: Arc<AtomicU64>,
     /// The receiver's blocks lent out to reservations and the filling thread (shm).
     lent: LentBlocks,
+    /// Held by this thread while it works (see [`SendState`]).
+    state: Arc<parking_lot::Mutex<SendState>>,
 }
 
-fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
+fn sending_thread(t: SendingThread) -> Result<SenderReport> {
+    let state = t.state.clone();
+    let mut st = state.lock();
     if t.opts.sliding_window {
-        return window::window_sending_thread(t, s);
+        // Held for good: the baseline's connections are this thread's alone.
+        return window::window_sending_thread(t, &mut st.s);
     }
     let hello = Hello {
         version: PROTOCOL_VERSION,
@@ -1612,20 +1764,18 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
     };
     let block_size = t.blocks.block_size();
     let mut report = SenderReport::default();
-    let mut conn: Option<Box<dyn Connection>> = None;
     let mut backoff = t.opts.reconnect_min;
     let mut next_attempt = Instant::now();
     let mut last_error = String::new();
-    let mut done = false;
-    let mut driver = super::Driver::new();
     loop {
-        *t.live.lock() = s.machine.stats();
+        *t.live.lock() = st.s.machine.stats();
         if t.abort.load(Ordering::Acquire) {
             // Whatever the machine still holds was not delivered: queued, in flight, or (for
             // lossless devices) written but not confirmed; blocks the filling thread sent since.
             while let Ok(ev) = t.filled.try_recv() {
-                s.intake(ev, &mut done);
+                st.intake(ev);
             }
+            let s = &st.s;
             report.unsent = s.machine.queued() + s.machine.outstanding() + s.machine.unconfirmed();
             report.undelivered_frames = s
                 .meta
@@ -1636,12 +1786,10 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                 + s.placed.values().filter(|(_, f)| f.is_some()).count() as u64;
             break;
         }
-        while let Ok(ev) = t.filled.try_recv() {
-            s.intake(ev, &mut done);
-        }
+        st.take_in(&t.filled);
         let now = Instant::now();
-        let Some(c) = conn.as_mut() else {
-            if done && s.machine.is_idle() {
+        if st.conn.is_none() {
+            if st.done && st.s.machine.is_idle() {
                 break;
             }
             if now >= next_attempt {
@@ -1675,6 +1823,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                                 layout.blocks
                             );
                         }
+                        let s = &mut st.s;
                         s.machine.handle_connected(layout);
                         // Under a cache budget the filling thread keeps as few of its blocks
                         // in use as the budget holds.
@@ -1693,7 +1842,7 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                         report.connections += 1;
                         backoff = t.opts.reconnect_min;
                         last_error.clear();
-                        conn = Some(c);
+                        st.conn = Some(c);
                     }
                     Err(e) if !e.is_transient() => return Err(e),
                     Err(e) => {
@@ -1710,77 +1859,86 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
                     }
                 }
             }
-            if conn.is_none() {
+            if st.conn.is_none() {
                 let wait = next_attempt
                     .saturating_duration_since(Instant::now())
                     .min(Duration::from_millis(50));
-                if let Ok(ev) = t.filled.recv_timeout(wait) {
-                    s.intake(ev, &mut done);
-                }
+                wait_for_input(&mut st, &t.filled, wait);
             }
             continue;
-        };
-        // What the receiver says about a device (another sender streams it there, ...): the
-        // connection and the other devices carry on.
-        for n in c.take_notices() {
-            tracing::warn!(
-                peer = c.peer(),
-                device = n.device,
-                "receiver says: {}",
-                n.text
-            );
         }
-        // A receiver (or link) that died without a word is noticed within the peer timeout.
-        let turn = c.heartbeat().and_then(|()| {
-            driver.turn(
-                &mut s.machine,
-                c.as_mut(),
-                &Instant::now,
-                Duration::from_millis(1),
-            )
-        });
-        s.release_freed();
-        if turn.is_ok() {
-            s.lend(c.as_ref(), &t.lent);
-        }
-        let result = match turn {
-            Ok(turn) if !turn.in_flight => {
-                if done && s.machine.is_idle() {
-                    tracing::info!(
+        // A handing thread that drove the connection found it gone: reconnect as below.
+        let result = match st.failed.take() {
+            Some(e) => Err(e),
+            None => {
+                let SendState {
+                    s, conn, driver, ..
+                } = &mut *st;
+                let c = conn.as_mut().expect("connected");
+                // What the receiver says about a device (another sender streams it there,
+                // ...): the connection and the other devices carry on.
+                for n in c.take_notices() {
+                    tracing::warn!(
                         peer = c.peer(),
-                        "all devices ended and every block is written; closing"
+                        device = n.device,
+                        "receiver says: {}",
+                        n.text
                     );
-                    break;
                 }
-                if turn.posted > 0 || turn.completed > 0 {
-                    // Completions may have made the next action ready (a sync for
-                    // confirmations, a write into a block just freed): go round at once.
-                    continue;
+                // A receiver (or link) that died without a word is noticed within the peer
+                // timeout.
+                let turn = c.heartbeat().and_then(|()| {
+                    driver.turn(
+                        &mut s.machine,
+                        c.as_mut(),
+                        &Instant::now,
+                        Duration::from_millis(1),
+                    )
+                });
+                s.release_freed();
+                if turn.is_ok() {
+                    s.lend(c.as_ref(), &t.lent);
                 }
-                // Nothing in flight: wait for the filling thread or the sync backoff timer.
-                let now = Instant::now();
-                let wait = s
-                    .machine
-                    .poll_timeout()
-                    .map_or(Duration::from_millis(50), |t| {
-                        t.saturating_duration_since(now)
-                    })
-                    .min(Duration::from_millis(50));
-                match t.filled.recv_timeout(wait) {
-                    Ok(ev) => s.intake(ev, &mut done),
-                    Err(RecvTimeoutError::Disconnected) if !done => done = true,
-                    Err(_) => {}
+                match turn {
+                    Ok(turn) if !turn.in_flight => {
+                        if st.done && st.s.machine.is_idle() {
+                            let peer = st.conn.as_ref().map(|c| c.peer().to_string());
+                            tracing::info!(
+                                peer,
+                                "all devices ended and every block is written; closing"
+                            );
+                            break;
+                        }
+                        if turn.posted > 0 || turn.completed > 0 {
+                            // Completions may have made the next action ready (a sync for
+                            // confirmations, a write into a block just freed): go round at once.
+                            continue;
+                        }
+                        // Nothing in flight: wait for the filling thread or the sync backoff
+                        // timer, letting go of the state meanwhile (handing threads may drive
+                        // the connection: see `SendState`).
+                        let now = Instant::now();
+                        let wait =
+                            st.s.machine
+                                .poll_timeout()
+                                .map_or(Duration::from_millis(50), |t| {
+                                    t.saturating_duration_since(now)
+                                })
+                                .min(Duration::from_millis(50));
+                        wait_for_input(&mut st, &t.filled, wait);
+                        Ok(())
+                    }
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(e),
                 }
-                Ok(())
             }
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
         };
         if let Err(e) = result {
             tracing::warn!("{e}; reconnecting");
-            if let Some(w) = conn.take().and_then(|c| c.work_counts()) {
+            if let Some(w) = st.conn.take().and_then(|c| c.work_counts()) {
                 window::add_work(&mut report.work, w);
             }
+            let s = &mut st.s;
             s.machine.handle_disconnected();
             // Blocks lent on this connection are worthless now (reservations holding one
             // find out when they commit: their frame is counted as dropped).
@@ -1791,10 +1949,12 @@ fn sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
             next_attempt = Instant::now() + backoff;
         }
     }
-    if let Some(w) = conn.and_then(|c| c.work_counts()) {
+    // Taken, so handing threads drive nothing any more.
+    if let Some(w) = st.conn.take().and_then(|c| c.work_counts()) {
         window::add_work(&mut report.work, w);
     }
-    report.machine = s.machine.stats();
+    report.machine = st.s.machine.stats();
+    report.driven_here = st.driven_here;
     *t.live.lock() = report.machine;
     Ok(report)
 }

@@ -214,6 +214,9 @@ impl Connection for MemConnection {
     fn syncs_early(&self) -> bool {
         true
     }
+    fn completes_at_once(&self) -> bool {
+        true
+    }
     fn peer(&self) -> &str {
         &self.peer
     }

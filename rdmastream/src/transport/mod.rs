@@ -160,6 +160,14 @@ pub trait Connection: Send {
     /// [`crate::proto::SenderMachine::set_max_full`]. No default, for the same reason as
     /// [`Connection::syncs_early`].
     fn cache_budget(&self) -> Option<usize>;
+    /// Whether work completes as it is posted: its completion is in the very next
+    /// [`Connection::poll_completions`], which never waits (shm and mem, where the sender
+    /// itself copies into the receiver's memory; not tcp, whose emulated NIC works on its own
+    /// thread, nor verbs). Then a thread that hands the sending thread a block may drive the
+    /// connection itself when the sending thread is not at work, and the block's status byte is
+    /// stored without waking the sending thread (docs/protocol.md, "Who drives the
+    /// connection"). No default, for the same reason as [`Connection::syncs_early`].
+    fn completes_at_once(&self) -> bool;
 }
 
 /// The shm transport's [`Connection::cache_budget`] where the machine's cache size cannot be read

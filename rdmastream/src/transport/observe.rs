@@ -220,6 +220,9 @@ impl Connection for ObservedConnection {
     fn syncs_early(&self) -> bool {
         self.inner.syncs_early()
     }
+    fn completes_at_once(&self) -> bool {
+        self.inner.completes_at_once()
+    }
 }
 
 impl Drop for ObservedConnection {

@@ -1157,6 +1157,9 @@ impl Connection for TcpConnection {
     fn syncs_early(&self) -> bool {
         true
     }
+    fn completes_at_once(&self) -> bool {
+        false
+    }
     fn peer(&self) -> &str {
         &self.peer
     }

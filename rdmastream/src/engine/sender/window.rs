@@ -127,7 +127,7 @@ fn add_stats(total: &mut WindowStats, s: WindowStats) {
     total.requeued += s.requeued;
 }
 
-pub(super) fn window_sending_thread(t: SendingThread, mut s: Sending) -> Result<SenderReport> {
+pub(super) fn window_sending_thread(t: SendingThread, s: &mut Sending) -> Result<SenderReport> {
     let session = u64::from_le_bytes(crate::transport::tcp::random_bytes());
     let block_size = t.blocks.block_size();
     let mut lanes: BTreeMap<u8, Lane> = BTreeMap::new();
@@ -160,6 +160,8 @@ pub(super) fn window_sending_thread(t: SendingThread, mut s: Sending) -> Result<
                 ToSending::Frames(i, frames) => s.coalesced[i] = frames,
                 // Not produced: the baseline lends no receiver's blocks (nothing is offered).
                 ToSending::Placed { .. } | ToSending::Returned(_) => {}
+                // Not produced: nothing drives a connection but this thread.
+                ToSending::Wake => {}
                 ToSending::Done => *done = true,
             }
         };
@@ -171,7 +173,7 @@ pub(super) fn window_sending_thread(t: SendingThread, mut s: Sending) -> Result<
         t.live.lock().writes = stats.writes;
         if t.abort.load(Ordering::Acquire) {
             while let Ok(ev) = t.filled.try_recv() {
-                intake(ev, &mut s, &mut lanes, &mut done);
+                intake(ev, s, &mut lanes, &mut done);
             }
             report.unsent = lanes
                 .values()
@@ -185,7 +187,7 @@ pub(super) fn window_sending_thread(t: SendingThread, mut s: Sending) -> Result<
             break;
         }
         while let Ok(ev) = t.filled.try_recv() {
-            intake(ev, &mut s, &mut lanes, &mut done);
+            intake(ev, s, &mut lanes, &mut done);
         }
         if done && lanes.values().all(|l| l.machine.is_idle()) {
             tracing::info!("all devices ended and every block is acknowledged; closing");
