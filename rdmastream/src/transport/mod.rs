@@ -171,21 +171,27 @@ pub trait Connection: Send {
 }
 
 /// The shm transport's [`Connection::cache_budget`] where the machine's cache size cannot be read
-/// (see [`shm_cache_budget`]): half of the 32 MiB last-level cache of the machine it was
-/// measured on. The lossless engine with 16 + 16 blocks of 4 MiB and 8 MiB moved 1.2–2.2× as
-/// much with it; blocks of 1 MiB and less never reach it with 16 blocks, so nothing changes for
-/// them. See README and docs/protocol.md, "The working set on one host".
-pub const SHM_CACHE_BUDGET: usize = 16 << 20;
+/// (see [`shm_cache_budget`]): an eighth of the 32 MiB last-level cache of the machine it was
+/// measured on. See README and docs/protocol.md, "The working set on one host".
+pub const SHM_CACHE_BUDGET: usize = 4 << 20;
 
 /// The smallest and largest budget [`shm_cache_budget`] takes from the machine's cache size: a
 /// cache sysfs reports as tiny or huge (a VM's made-up figures) cannot turn the limit into one
 /// block at a time or into no limit at all.
-pub const SHM_CACHE_BUDGET_RANGE: (usize, usize) = (4 << 20, 256 << 20);
+pub const SHM_CACHE_BUDGET_RANGE: (usize, usize) = (2 << 20, 256 << 20);
 
-/// The shm transport's cache budget on this machine: half of the last-level cache CPU 0 reports
-/// (`/sys/devices/system/cpu/cpu0/cache`), within [`SHM_CACHE_BUDGET_RANGE`], or
+/// The shm transport's cache budget on this machine: an eighth of the last-level cache CPU 0
+/// reports (`/sys/devices/system/cpu/cpu0/cache`), within [`SHM_CACHE_BUDGET_RANGE`], or
 /// [`SHM_CACHE_BUDGET`] when sysfs does not say (a container without `/sys`, another OS). Read
 /// once per process.
+///
+/// An eighth, not more: the cache sysfs lists is the whole last-level cache, which a VM shares
+/// with whatever else runs on its host's cores, and the sender's sources and the receiver's
+/// pipeline use it too. On the 2-vCPU development VM (32 MiB listed) a lone copy loop over
+/// 921600-byte frames slowed threefold once its destinations spanned more than 10 MiB, and
+/// unthrottled rdmasink/rdmasrc over shm ran at 0.54–0.59× shmsink/shmsrc's frame rate with
+/// 16 blocks of 1 MiB in use (the old budget of half the cache limited nothing there),
+/// 0.87–0.95× with 8, 1.28–2.08× with 4 (README, "The working set on one host").
 pub fn shm_cache_budget() -> usize {
     static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BUDGET.get_or_init(|| {
@@ -209,7 +215,7 @@ pub fn shm_cache_budget() -> usize {
 /// The budget for a last-level cache of `cache` bytes (see [`shm_cache_budget`]).
 pub fn budget_from_cache(cache: Option<usize>) -> usize {
     let (lo, hi) = SHM_CACHE_BUDGET_RANGE;
-    cache.map_or(SHM_CACHE_BUDGET, |c| (c / 2).clamp(lo, hi))
+    cache.map_or(SHM_CACHE_BUDGET, |c| (c / 8).clamp(lo, hi))
 }
 
 /// The size in bytes of the highest-level data or unified cache listed under `dir` (sysfs'
@@ -894,7 +900,7 @@ mod tests {
     }
 
     #[test]
-    fn the_shm_cache_budget_is_half_the_last_level_cache_sysfs_lists() {
+    fn the_shm_cache_budget_is_an_eighth_of_the_last_level_cache_sysfs_lists() {
         // This machine's layout: L1d, L1i, L2, L3 of 32 MiB.
         let dir = cache_dir(
             "llc",
@@ -906,7 +912,7 @@ mod tests {
             ],
         );
         assert_eq!(last_level_cache(&dir), Some(32 << 20));
-        assert_eq!(budget_from_cache(last_level_cache(&dir)), 16 << 20);
+        assert_eq!(budget_from_cache(last_level_cache(&dir)), 4 << 20);
         // An instruction cache is never the last level; M and plain bytes parse too.
         let dir = cache_dir(
             "llc-kinds",
@@ -914,10 +920,11 @@ mod tests {
         );
         assert_eq!(last_level_cache(&dir), Some(2 << 20));
         let dir = cache_dir("llc-bytes", &[("3", "Unified", "100663296")]);
-        assert_eq!(budget_from_cache(last_level_cache(&dir)), 48 << 20);
+        assert_eq!(budget_from_cache(last_level_cache(&dir)), 12 << 20);
         // Clamped: a tiny or a made-up huge cache.
-        assert_eq!(budget_from_cache(Some(1 << 20)), 4 << 20);
+        assert_eq!(budget_from_cache(Some(1 << 20)), 2 << 20);
         assert_eq!(budget_from_cache(Some(8 << 30)), 256 << 20);
+        assert_eq!(budget_from_cache(Some(3 << 30)), 256 << 20);
     }
 
     #[test]
