@@ -723,7 +723,7 @@ struct SendState {
 }
 
 /// Turns a handing thread takes at most on the connection before it lets go (each posts what
-/// the machine has and hands back what completed; the last ones lend freed blocks again).
+/// the machine has, hands back what completed and lends freed blocks again).
 const TURNS_HERE: usize = 4;
 
 impl SendState {
@@ -748,21 +748,7 @@ impl SendState {
             }
         }
     }
-}
 
-/// Waits up to `wait` for something in the sending thread's channel, letting go of the state
-/// meanwhile (handing threads may drive the connection: see [`SendState`]), then takes it in
-/// with the state held again ([`SendState::take_in`]).
-fn wait_for_input(st: &mut MutexGuard<'_, SendState>, rx: &Receiver<ToSending>, wait: Duration) {
-    MutexGuard::unlocked(st, || {
-        let mut sel = Select::new();
-        sel.recv(rx);
-        let _ = sel.ready_timeout(wait);
-    });
-    st.take_in(rx);
-}
-
-impl SendState {
     /// Whether a handing thread may drive the connection now.
     fn drives_here(&self) -> bool {
         self.failed.is_none() && self.conn.as_ref().is_some_and(|c| c.completes_at_once())
@@ -806,12 +792,26 @@ impl SendState {
     }
 }
 
+/// Waits up to `wait` for something in the sending thread's channel, letting go of the state
+/// meanwhile (handing threads may drive the connection: see [`SendState`]), then takes it in
+/// with the state held again ([`SendState::take_in`]).
+fn wait_for_input(st: &mut MutexGuard<'_, SendState>, rx: &Receiver<ToSending>, wait: Duration) {
+    MutexGuard::unlocked(st, || {
+        let mut sel = Select::new();
+        sel.recv(rx);
+        let _ = sel.ready_timeout(wait);
+    });
+    st.take_in(rx);
+}
+
 /// How filled and placed blocks reach the sending state: through the sending thread's channel,
 /// or, when nothing waits in it and the state is free on a connection that completes at once,
 /// straight into the state, driven on this thread ([`SendState`]). Blocks are handed over by
-/// threads that hold the filler lock, and the sending thread takes them out of the channel only
-/// with the state held ([`SendState::take_in`]), so the machine takes them in the order they
-/// were filled either way.
+/// threads that hold the filler lock (the filling thread's held small messages, sent when their
+/// wait is over, without it, but then no committed frame may skip it: `Filler::holding`), and
+/// the sending thread takes them out of the channel only with the state held
+/// ([`SendState::take_in`]), so the machine takes them in the order they were filled either
+/// way.
 #[derive(Clone)]
 struct Handoff {
     tx: Sender<ToSending>,
