@@ -18,7 +18,9 @@
 //! `frame-cpu`: what one 640×480 RGB frame costs the CPU outside the transport (the filling
 //! copy, the CRC32C seal, the receiver's validation), here or in the VM, to compare the two;
 //! with the in-place paths beside the copying one. `frame-instr [--rounds R]`: the same steps
-//! alone, to count their instructions under callgrind (see `frame_instr`).
+//! alone, to count their instructions under callgrind (see `frame_instr`). `copy-cache
+//! [--frame BYTES] [--block BYTES]`: a frame copy's cost against how many blocks its
+//! destinations spread over (see `copy_cache`).
 
 mod paper;
 mod soak;
@@ -60,7 +62,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-shm-live|engine-shm-place|transport-tcp|plain-tcp|cameras|cameras-shm|frame-cpu|frame-instr|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-shm-live|engine-shm-place|transport-tcp|plain-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M] [--block BYTES]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
@@ -208,6 +210,10 @@ fn main() {
         "verbs" => verbs(seconds),
         "frame-cpu" => frame_cpu(),
         "frame-instr" => frame_instr(opt("--rounds", 5.0) as usize),
+        "copy-cache" => copy_cache(
+            opt("--frame", 921600.0) as usize,
+            opt("--block", 1048576.0) as usize,
+        ),
         "verbs-sync" => {
             let rounds = opt("--rounds", 5.0) as usize;
             sync_rounds(
@@ -1234,6 +1240,44 @@ fn frame_cpu() {
             secs * 1e3,
             mb / secs,
             secs / copy
+        );
+    }
+}
+
+/// How a frame copy slows down as its destinations spread over more memory: one `frame`-byte
+/// frame copied again and again into 1, 2, … 24 blocks of `block` bytes taken in turn (as the
+/// sender writes into the receiver's blocks round-robin), µs per copy, median of 5 runs of
+/// 2000 copies. Where the destinations stop fitting in what the last-level cache leaves this
+/// process, each copy goes to memory: on the development VM beyond about 10 MiB, a third of the
+/// 32 MiB its sysfs lists (the reason for shm's cache budget of an eighth:
+/// docs/protocol.md, "The working set on one host").
+fn copy_cache(frame: usize, block: usize) {
+    let block = block.max(frame);
+    let src: Vec<u8> = (0..frame).map(|i| i as u8).collect();
+    println!(
+        "-- one {frame}-byte frame copied into N blocks of {block} bytes in turn, us per copy (median of 5 x 2000)"
+    );
+    println!("{:>4} {:>10} {:>10} {:>8}", "N", "MiB", "us", "GB/s");
+    for n in [1, 2, 4, 6, 8, 10, 12, 16, 24] {
+        let mut dst = vec![1u8; n * block];
+        let mut runs: Vec<f64> = (0..5)
+            .map(|_| {
+                let start = Instant::now();
+                for i in 0..2000 {
+                    let at = (i % n) * block;
+                    dst[at..at + frame].copy_from_slice(&src);
+                    std::hint::black_box(&dst);
+                }
+                start.elapsed().as_secs_f64() / 2000.0
+            })
+            .collect();
+        runs.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let t = runs[2];
+        println!(
+            "{n:>4} {:>10.1} {:>10.1} {:>8.1}",
+            (n * block) as f64 / (1 << 20) as f64,
+            t * 1e6,
+            frame as f64 / t / 1e9
         );
     }
 }
