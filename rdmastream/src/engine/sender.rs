@@ -1,6 +1,9 @@
 //! The sender's threads: one filling thread (frames → send blocks, numbered per device) and one
 //! sending thread (drives [`SenderMachine`] over one [`Connection`] shared by all devices,
-//! reconnecting with backoff). Sources push into per-device queues ([`DeviceInput`]).
+//! reconnecting with backoff). Sources push into per-device queues ([`DeviceInput`]). Over
+//! connections whose work completes as it is posted (shm, mem) a source committing a frame, or
+//! the filling thread handing over a block already in the receiver's memory, drives the
+//! connection itself while the sending thread is not at work ([`SendState`], [`Handoff`]).
 //!
 //! With [`SenderOptions::sliding_window`] the sending thread runs the sliding-window baseline
 //! instead ([`window`]): one connection per device, over the same filling thread and send blocks.
@@ -127,8 +130,8 @@ impl Committed {
 }
 
 /// A receiver's memory block the sending thread lent out (shm): the source writes the payload
-/// into it, the filling (or committing) thread the header and seal, the sending thread posts its
-/// status byte.
+/// into it, the filling (or committing) thread the header and seal, and whoever drives the
+/// connection ([`SendState`]) posts its status byte.
 struct LentBlock {
     lent: Lent,
     lease: Box<dyn LeasedBlock>,
