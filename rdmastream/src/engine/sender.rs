@@ -3,7 +3,7 @@
 //! reconnecting with backoff). Sources push into per-device queues ([`DeviceInput`]). Over
 //! connections whose work completes as it is posted (shm, mem) a source committing a frame, or
 //! the filling thread handing over a block already in the receiver's memory, drives the
-//! connection itself while the sending thread is not at work ([`SendState`], [`Handoff`]).
+//! connection itself while the sending thread is not at work (`SendState`, `Handoff`).
 //!
 //! With [`SenderOptions::sliding_window`] the sending thread runs the sliding-window baseline
 //! instead ([`window`]): one connection per device, over the same filling thread and send blocks.
