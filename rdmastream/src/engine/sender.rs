@@ -752,6 +752,25 @@ impl SendState {
         }
     }
 
+    /// One turn of the connection, whichever thread drives it: posts what the machine has,
+    /// waits up to `wait` for completions, gives freed blocks back and, when the turn went well,
+    /// lends receiver's blocks again. With `heartbeat` the connection's liveness is checked
+    /// first (the sending thread's turns: a receiver or link that died without a word is noticed
+    /// within the peer timeout). Only while connected.
+    fn turn(&mut self, lent: &LentBlocks, wait: Duration, heartbeat: bool) -> Result<super::Turn> {
+        let c = self.conn.as_mut().expect("connected");
+        let alive = if heartbeat { c.heartbeat() } else { Ok(()) };
+        let turn = alive.and_then(|()| {
+            self.driver
+                .turn(&mut self.s.machine, c.as_mut(), &Instant::now, wait)
+        });
+        self.s.release_freed();
+        if turn.is_ok() {
+            self.s.lend(c.as_ref(), lent);
+        }
+        turn
+    }
+
     /// Whether a handing thread may drive the connection now.
     fn drives_here(&self) -> bool {
         self.failed.is_none() && self.conn.as_ref().is_some_and(|c| c.completes_at_once())
@@ -762,20 +781,12 @@ impl SendState {
     /// thread has something to do: an error to act on, a retry or a completion to wait for,
     /// queued blocks, the end.
     fn drive_here(&mut self, lent: &LentBlocks) -> bool {
-        let Some(c) = self.conn.as_mut() else {
+        if self.conn.is_none() {
             return true;
-        };
+        }
         for _ in 0..TURNS_HERE {
-            let turn = self.driver.turn(
-                &mut self.s.machine,
-                c.as_mut(),
-                &Instant::now,
-                Duration::ZERO,
-            );
-            self.s.release_freed();
-            match turn {
+            match self.turn(lent, Duration::ZERO, false) {
                 Ok(turn) => {
-                    self.s.lend(c.as_ref(), lent);
                     if turn.posted == 0 && turn.completed == 0 {
                         break;
                     }
@@ -1790,9 +1801,7 @@ fn sending_thread(t: SendingThread) -> Result<SenderReport> {
         if t.abort.load(Ordering::Acquire) {
             // Whatever the machine still holds was not delivered: queued, in flight, or (for
             // lossless devices) written but not confirmed; blocks the filling thread sent since.
-            while let Ok(ev) = t.filled.try_recv() {
-                st.intake(ev);
-            }
+            st.take_in(&t.filled);
             let s = &st.s;
             report.unsent = s.machine.queued() + s.machine.outstanding() + s.machine.unconfirmed();
             report.undelivered_frames = s
@@ -1889,10 +1898,7 @@ fn sending_thread(t: SendingThread) -> Result<SenderReport> {
         let result = match st.failed.take() {
             Some(e) => Err(e),
             None => {
-                let SendState {
-                    s, conn, driver, ..
-                } = &mut *st;
-                let c = conn.as_mut().expect("connected");
+                let c = st.conn.as_mut().expect("connected");
                 // What the receiver says about a device (another sender streams it there,
                 // ...): the connection and the other devices carry on.
                 for n in c.take_notices() {
@@ -1903,21 +1909,7 @@ fn sending_thread(t: SendingThread) -> Result<SenderReport> {
                         n.text
                     );
                 }
-                // A receiver (or link) that died without a word is noticed within the peer
-                // timeout.
-                let turn = c.heartbeat().and_then(|()| {
-                    driver.turn(
-                        &mut s.machine,
-                        c.as_mut(),
-                        &Instant::now,
-                        Duration::from_millis(1),
-                    )
-                });
-                s.release_freed();
-                if turn.is_ok() {
-                    s.lend(c.as_ref(), &t.lent);
-                }
-                match turn {
+                match st.turn(&t.lent, Duration::from_millis(1), true) {
                     Ok(turn) if !turn.in_flight => {
                         if st.done && st.s.machine.is_idle() {
                             let peer = st.conn.as_ref().map(|c| c.peer().to_string());
