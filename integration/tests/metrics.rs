@@ -102,7 +102,6 @@ fn metrics_agree_with_the_receivers_summary() {
         "the receiver's metrics did not reach the {written} frames the sender wrote:\n{}",
         tail(&rx_log)
     );
-    let s = scrape(&rx_metrics);
     // SIGUSR1: the per-device table, at the next status line.
     let signalled = std::process::Command::new("kill")
         .args(["-USR1", &rx.id().to_string()])
@@ -116,6 +115,10 @@ fn metrics_agree_with_the_receivers_summary() {
         "no table after SIGUSR1:\n{}",
         tail(&rx_log)
     );
+    // Engine-wide counters (blocks, refused connections) are copied once per status interval,
+    // at the tick before its status line: the scrape is taken after the table's tick, which
+    // came after every frame had settled, so no counter lags the summary.
+    let s = scrape(&rx_metrics);
     // Ctrl-C: the receiver stops and prints its summary.
     let interrupted = std::process::Command::new("kill")
         .args(["-INT", &rx.id().to_string()])
