@@ -2250,15 +2250,9 @@ mod tests {
     }
 
     impl Read for Trickle<'_> {
+        /// One read into one slice: a readv of it alone.
         fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-            self.reads += 1;
-            let n = buf.len().min(self.chunk).min(self.data.len());
-            if buf.len() != NIC_BUFFER && buf.len() != NIC_SHORT_FILL {
-                self.past_buffer += n;
-            }
-            buf[..n].copy_from_slice(&self.data[..n]);
-            self.data = &self.data[n..];
-            Ok(n)
+            self.read_vectored(&mut [std::io::IoSliceMut::new(buf)])
         }
 
         /// As a socket's readv: one read fills the slices in turn with what has arrived.
