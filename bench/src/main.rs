@@ -1380,10 +1380,14 @@ fn cameras(secs: f64, transport: &str) {
     )
     .unwrap();
     let tx_cfg = tmp.path().join("sender.toml");
+    // BENCH_SHM_CACHE_BUDGET sets the sender's shm_cache_budget ("auto", "off", "8 MiB").
+    let budget = std::env::var("BENCH_SHM_CACHE_BUDGET")
+        .map(|b| format!("shm_cache_budget = \"{b}\"\n"))
+        .unwrap_or_default();
     std::fs::write(
         &tx_cfg,
         format!(
-            "name = \"bench\"\nreceiver = \"{listen}\"\ntransport = \"{transport}\"\n\
+            "name = \"bench\"\nreceiver = \"{listen}\"\ntransport = \"{transport}\"\n{budget}\
              [[device]]\nid = 0\ncount = 12\nsource = \"camera-synthetic\"\n\
              [[device]]\nid = 100\ncount = 2\nsource = \"radar-synthetic\"\n"
         ),

@@ -106,6 +106,7 @@ pub fn connector(
         verbs,
         max_outstanding,
         rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+        Some(rdmastream::transport::shm_cache_budget()),
     )
     .map(|(_, c)| c)
     .map_err(|source| crate::Error::Transport {

@@ -266,14 +266,16 @@ fn two_senders_into_one_receiver_on(it: It) {
     let devices = "[[device]]\nid = 4\nsource = \"camera-synthetic\"\nwidth = 128\nheight = 96\nfps = 20\npolicy = \"block\"\nframes = 60\n\
                    [[device]]\nid = 5\nsource = \"radar-synthetic\"\nsize = 50000\nrate = 10\npolicy = \"block\"\nframes = 30\n";
     let mut senders = Vec::new();
-    for name in ["node-a", "node-b"] {
+    // One sender keeps at most 6 of the receiver's 16 blocks FULL, the other has no limit; over
+    // tcp the key means nothing (each block is another host's memory).
+    for (name, budget) in [("node-a", "6 MiB"), ("node-b", "off")] {
         let cfg = sender_config(
             tmp.path(),
             &it,
             &format!("{name}.toml"),
             name,
             port,
-            devices,
+            &format!("shm_cache_budget = \"{budget}\"\n{devices}"),
         );
         let log = tmp.path().join(format!("{name}.log"));
         senders.push((
@@ -281,8 +283,23 @@ fn two_senders_into_one_receiver_on(it: It) {
             log,
         ));
     }
-    for (mut s, log) in senders {
+    for (n, (mut s, log)) in senders.into_iter().enumerate() {
         exits_ok(&mut s, Duration::from_secs(120), "sender", &log);
+        let text = std::fs::read_to_string(&log).unwrap();
+        let limited = text.contains("remote blocks full at once");
+        if it.transport == "shm" && n == 0 && !it.small {
+            assert!(
+                text.contains("at most 6 of the 16 remote blocks full at once"),
+                "shm_cache_budget = \"6 MiB\" not applied:\n{}",
+                tail(&log)
+            );
+        } else {
+            assert!(
+                !limited,
+                "a cache budget where none applies:\n{}",
+                tail(&log)
+            );
+        }
     }
     exits_ok(&mut rx, Duration::from_secs(60), "receiver", &rx_log);
     for name in ["node-a", "node-b"] {
@@ -445,6 +462,11 @@ fn bad_config_names_file_key_and_reason() {
             "missing.key",
         ),
         ("receiver", "memory_budget = \"1 MiB\"\n", "`memory_budget`"),
+        (
+            "sender",
+            "name = \"a\"\nreceiver = \"x:1\"\nshm_cache_budget = \"lots\"\n",
+            "`shm_cache_budget`",
+        ),
         // A source that cannot be built is bad input too (exit 2), naming the device.
         (
             "sender",

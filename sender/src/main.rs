@@ -86,6 +86,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         &verbs,
         cfg.max_outstanding,
         Duration::from_secs_f64(cfg.peer_timeout),
+        cfg.shm_cache_budget(&file)?,
     )?;
     let stop = Arc::new(AtomicBool::new(false));
     {

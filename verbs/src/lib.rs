@@ -141,14 +141,17 @@ pub fn choose(transport: &str, addr: &str, verbs: &VerbsSettings) -> Result<Kind
 
 /// A connector to the receiver `peer` (`host:port`, or `unix:/path` for shm) over the transport
 /// the `transport` setting (`auto`, `verbs`, `tcp`, `shm`) resolves to ([`choose`]);
-/// `peer_timeout` is how long a silent receiver is given. The one place where the setting
-/// becomes a transport, for the `sender` binary and `rdmasink` alike.
+/// `peer_timeout` is how long a silent receiver is given; `shm_cache_budget` is, over shm, the
+/// bytes of the receiver's region kept FULL at most (`None`: no limit; see
+/// [`shm::ShmConnector::with_cache_budget`]), and means nothing over tcp and verbs. The one
+/// place where the setting becomes a transport, for the `sender` binary and `rdmasink` alike.
 pub fn connector(
     transport: &str,
     peer: &str,
     verbs: &VerbsSettings,
     max_outstanding: usize,
     peer_timeout: Duration,
+    shm_cache_budget: Option<usize>,
 ) -> Result<(Kind, Box<dyn Connector>)> {
     let kind = choose(transport, peer, verbs)?;
     let c: Box<dyn Connector> = match kind {
@@ -159,7 +162,11 @@ pub fn connector(
             VerbsConnector::new(peer, verbs.clone(), max_outstanding)?
                 .with_peer_timeout(peer_timeout),
         ),
-        Kind::Shm => Box::new(shm::ShmConnector::new(peer)?.with_peer_timeout(peer_timeout)),
+        Kind::Shm => Box::new(
+            shm::ShmConnector::new(peer)?
+                .with_peer_timeout(peer_timeout)
+                .with_cache_budget(shm_cache_budget),
+        ),
     };
     Ok((kind, c))
 }

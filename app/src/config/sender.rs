@@ -50,6 +50,10 @@ pub struct SenderConfig {
     /// Microseconds a small lossy message may wait for others to share its block (0: off).
     #[serde(default = "d_coalesce_wait_us")]
     pub coalesce_wait_us: u64,
+    /// Over shm: `"auto"` (an eighth of this host's last-level cache), `"off"`, or a byte count
+    /// such as `"8 MiB"` ([`SenderConfig::shm_cache_budget`]).
+    #[serde(default = "d_shm_cache_budget")]
+    pub shm_cache_budget: String,
     #[serde(default)]
     pub rdma_device: Option<String>,
     #[serde(default = "d_port")]
@@ -99,6 +103,9 @@ fn d_block_size() -> usize {
 }
 fn d_coalesce_wait_us() -> u64 {
     100
+}
+fn d_shm_cache_budget() -> String {
+    "auto".into()
 }
 fn d_outstanding() -> usize {
     4
@@ -152,6 +159,36 @@ impl SenderConfig {
     pub fn validate(&self, file: &Path) -> Result<Vec<Device>, ConfigError> {
         validate(self, file)
     }
+
+    /// `shm_cache_budget` as the shm connector takes it: the bytes of the receiver's region the
+    /// sender keeps FULL at most (`auto`: [`rdmastream::transport::shm_cache_budget`], an eighth
+    /// of this host's last-level cache), or `None` for `off` (every block may be FULL). The
+    /// budget keeps an unthrottled stream's working set in the cache both ends share; a burst of
+    /// frames that fall due together waits for it (README, "The working set on one host").
+    pub fn shm_cache_budget(&self, file: &Path) -> Result<Option<usize>, ConfigError> {
+        let text = self.shm_cache_budget.trim();
+        match text {
+            "auto" => Ok(Some(rdmastream::transport::shm_cache_budget())),
+            "off" => Ok(None),
+            _ => {
+                let bytes = crate::cli::ByteSize::parse(text).map_err(|e| {
+                    ConfigError::new(
+                        file,
+                        "shm_cache_budget",
+                        format!("{e}; or \"auto\", or \"off\""),
+                    )
+                })?;
+                if bytes.0 == 0 {
+                    return Err(ConfigError::new(
+                        file,
+                        "shm_cache_budget",
+                        "0 bytes would let no block be FULL; \"off\" means no limit",
+                    ));
+                }
+                Ok(Some(usize::try_from(bytes.0).unwrap_or(usize::MAX)))
+            }
+        }
+    }
 }
 
 fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError> {
@@ -198,6 +235,7 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
     if cfg.queue_depth == 0 {
         return Err(err("queue_depth", "must be at least 1".into()));
     }
+    cfg.shm_cache_budget(file)?;
     if cfg.status_interval.is_nan() || cfg.status_interval <= 0.0 {
         return Err(err("status_interval", "must be > 0 seconds".into()));
     }
@@ -349,4 +387,39 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
         return Err(err("device", "no devices configured".into()));
     }
     Ok(devices)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(value: &str) -> Result<Option<usize>, ConfigError> {
+        let cfg = SenderConfig::parse(
+            &format!("name = \"a\"\nreceiver = \"unix:/x\"\nshm_cache_budget = \"{value}\"\n"),
+            Path::new("s.toml"),
+        )
+        .unwrap();
+        cfg.shm_cache_budget(Path::new("s.toml"))
+    }
+
+    #[test]
+    fn the_shm_cache_budget_is_auto_off_or_a_byte_count() {
+        let auto = Some(rdmastream::transport::shm_cache_budget());
+        assert_eq!(budget("auto").unwrap(), auto);
+        let default = SenderConfig::parse(
+            "name = \"a\"\nreceiver = \"unix:/x\"\n",
+            Path::new("s.toml"),
+        )
+        .unwrap();
+        assert_eq!(default.shm_cache_budget(Path::new("s.toml")).unwrap(), auto);
+        assert_eq!(budget("off").unwrap(), None);
+        assert_eq!(budget("8 MiB").unwrap(), Some(8 << 20));
+        for bad in ["0", "lots", "-1 MiB"] {
+            let e = budget(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("s.toml") && e.contains("shm_cache_budget"),
+                "{bad}: {e}"
+            );
+        }
+    }
 }
