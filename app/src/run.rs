@@ -135,7 +135,9 @@ pub fn sender(
         let bad = |why: String| ConfigError::new(file, "", format!("device {}: {why}", d.id));
         let p = match &d.kind {
             Source::Builtin(kind) => Runner::Builtin(
-                Producer::new(d.id, kind).map_err(|e| bad(crate::cli::describe_error(&e)))?,
+                Producer::new(d.id, kind)
+                    .map_err(|e| bad(crate::cli::describe_error(&e)))?
+                    .starting_after(d.start_after),
             ),
             #[cfg(feature = "gstreamer")]
             Source::Gstreamer(launch) => {

@@ -166,6 +166,8 @@ pub struct Producer {
     format: Arc<str>,
     period: Duration,
     make: Box<dyn FnMut(u64) -> FrameData + Send>,
+    /// How long [`Producer::run`] waits before its first frame ([`Producer::starting_after`]).
+    start_after: Duration,
 }
 
 impl Producer {
@@ -191,6 +193,7 @@ impl Producer {
                         .to_string()
                         .into(),
                     period: rate_of("fps", fps)?,
+                    start_after: Duration::ZERO,
                     make: Box::new(move |f| {
                         FrameData::Render(Arc::new(CameraFrame {
                             device,
@@ -207,6 +210,7 @@ impl Producer {
                 )
                 .into(),
                 period: rate_of("rate", rate)?,
+                start_after: Duration::ZERO,
                 make: Box::new(move |f| {
                     FrameData::Render(Arc::new(RadarFrame { device, f, size }))
                 }),
@@ -226,12 +230,20 @@ impl Producer {
                         .to_string()
                         .into(),
                     period: rate_of("fps", fps)?,
+                    start_after: Duration::ZERO,
                     make: Box::new(move |f| {
                         FrameData::Bytes(images[(f % images.len() as u64) as usize].clone())
                     }),
                 }
             }
         })
+    }
+
+    /// Starts [`Producer::run`]'s schedule `delay` late: devices started together whose
+    /// frames should not all fall due at the same moments (sender.toml `start = "spread"`).
+    pub fn starting_after(mut self, delay: Duration) -> Producer {
+        self.start_after = delay;
+        self
     }
 
     /// Format descriptor of the frames.
@@ -265,7 +277,7 @@ impl Producer {
         frames: Option<u64>,
         mut push: impl FnMut(SourceFrame) -> bool,
     ) {
-        let mut next = Instant::now();
+        let mut next = Instant::now() + self.start_after;
         let mut index = 0u64;
         while !stop.load(Ordering::Relaxed) && frames.is_none_or(|n| index < n) {
             let now = Instant::now();
@@ -326,6 +338,31 @@ pub fn load_images(dir: &Path, width: u32, height: u32) -> Result<Vec<Vec<u8>>> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A producer started late waits before its first frame, then keeps its period.
+    #[test]
+    fn a_producer_starting_after_a_delay_waits_before_its_first_frame() {
+        let kind = SourceKind::RadarSynthetic {
+            size: 16,
+            rate: 100.0,
+        };
+        let delay = Duration::from_millis(120);
+        let p = Producer::new(1, &kind).unwrap().starting_after(delay);
+        let started = Instant::now();
+        let mut at = Vec::new();
+        p.run(&AtomicBool::new(false), Some(3), |_| {
+            at.push(started.elapsed());
+            true
+        });
+        assert_eq!(at.len(), 3);
+        assert!(
+            at[0] >= delay,
+            "first frame after {:?}, not {delay:?}",
+            at[0]
+        );
+        // The schedule starts at the delay: frame 2 is due 20 ms after frame 0.
+        assert!(at[2] >= delay + Duration::from_millis(20), "{at:?}");
+    }
 
     #[test]
     fn camera_pattern_matches_the_formula() {

@@ -1384,12 +1384,16 @@ fn cameras(secs: f64, transport: &str) {
     let budget = std::env::var("BENCH_SHM_CACHE_BUDGET")
         .map(|b| format!("shm_cache_budget = \"{b}\"\n"))
         .unwrap_or_default();
+    // BENCH_CAMERA_START sets the devices' `start` ("together", the default, or "spread").
+    let start = std::env::var("BENCH_CAMERA_START")
+        .map(|s| format!("start = \"{s}\"\n"))
+        .unwrap_or_default();
     std::fs::write(
         &tx_cfg,
         format!(
             "name = \"bench\"\nreceiver = \"{listen}\"\ntransport = \"{transport}\"\n{budget}\
-             [[device]]\nid = 0\ncount = 12\nsource = \"camera-synthetic\"\n\
-             [[device]]\nid = 100\ncount = 2\nsource = \"radar-synthetic\"\n"
+             [[device]]\nid = 0\ncount = 12\nsource = \"camera-synthetic\"\n{start}\
+             [[device]]\nid = 100\ncount = 2\nsource = \"radar-synthetic\"\n{start}"
         ),
     )
     .unwrap();

@@ -467,6 +467,11 @@ fn bad_config_names_file_key_and_reason() {
             "name = \"a\"\nreceiver = \"x:1\"\nshm_cache_budget = \"lots\"\n",
             "`shm_cache_budget`",
         ),
+        (
+            "sender",
+            "name = \"a\"\nreceiver = \"x:1\"\n[[device]]\nid = 4\nsource = \"camera-synthetic\"\nstart = \"soon\"\n",
+            "`device[0].start`",
+        ),
         // A source that cannot be built is bad input too (exit 2), naming the device.
         (
             "sender",

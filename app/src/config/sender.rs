@@ -2,6 +2,7 @@
 //! devices the sender runs. Every key is documented in the shipped configs/sender.toml.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Deserialize;
 
@@ -87,6 +88,11 @@ pub struct SenderDeviceConfig {
     pub policy: String,
     /// Built-in sources: end the device after this many frames (default: run until stopped).
     pub frames: Option<u64>,
+    /// Built-in sources: `"together"` (default: the `count` devices' frames fall due at the
+    /// same moments) or `"spread"` (device k of the entry starts k/count of a period late, as
+    /// independent cameras would).
+    #[serde(default = "d_start")]
+    pub start: String,
 }
 
 fn d_transport() -> String {
@@ -128,6 +134,9 @@ fn d_count() -> u32 {
 fn d_policy() -> String {
     "drop-oldest".into()
 }
+fn d_start() -> String {
+    "together".into()
+}
 
 /// Where a device's frames come from.
 #[derive(Clone)]
@@ -142,6 +151,9 @@ pub struct Device {
     pub kind: Source,
     pub policy: DropPolicy,
     pub frames: Option<u64>,
+    /// How long after the others of its entry a built-in source starts its schedule
+    /// (`start = "spread"`); zero otherwise.
+    pub start_after: Duration,
 }
 
 impl SenderConfig {
@@ -361,6 +373,30 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
             }
             _ => {}
         }
+        // The schedule's period of a built-in source, for `start = "spread"`.
+        let period = match &kind {
+            Source::Builtin(
+                SourceKind::CameraSynthetic { fps, .. } | SourceKind::Images { fps, .. },
+            ) => Some(1.0 / fps),
+            Source::Builtin(SourceKind::RadarSynthetic { rate, .. }) => Some(1.0 / rate),
+            Source::Gstreamer(_) => None,
+        };
+        let spread = match (d.start.as_str(), period) {
+            ("together", _) => None,
+            ("spread", Some(period)) => Some(period),
+            ("spread", None) => {
+                return Err(err(
+                    &key("start"),
+                    "source \"gstreamer\" is paced by its pipeline: \"spread\" is for the built-in sources".into(),
+                ));
+            }
+            (other, _) => {
+                return Err(err(
+                    &key("start"),
+                    format!("{other:?} is not one of together, spread"),
+                ));
+            }
+        };
         if d.count == 0 || d.id + d.count > 256 {
             return Err(err(
                 &key("id"),
@@ -371,7 +407,7 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
                 ),
             ));
         }
-        for id in d.id..d.id + d.count {
+        for (k, id) in (d.id..d.id + d.count).enumerate() {
             if !seen.insert(id) {
                 return Err(err(&key("id"), format!("device {id} is configured twice")));
             }
@@ -380,6 +416,9 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
                 kind: kind.clone(),
                 policy,
                 frames: d.frames,
+                start_after: spread.map_or(Duration::ZERO, |period| {
+                    Duration::from_secs_f64(period * k as f64 / d.count as f64)
+                }),
             });
         }
     }
@@ -421,5 +460,58 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    fn devices(entry: &str) -> Result<Vec<Device>, ConfigError> {
+        let file = Path::new("s.toml");
+        SenderConfig::parse(
+            &format!("name = \"a\"\nreceiver = \"unix:/x\"\n[[device]]\nid = 4\n{entry}"),
+            file,
+        )
+        .unwrap()
+        .validate(file)
+    }
+
+    /// `start = "spread"` starts device k of an entry k/count of a period late; `together`
+    /// (the default) starts them all at once.
+    #[test]
+    fn spread_devices_start_a_fraction_of_a_period_apart() {
+        let starts = |entry: &str| -> Vec<Duration> {
+            devices(entry)
+                .unwrap()
+                .iter()
+                .map(|d| d.start_after)
+                .collect()
+        };
+        let ms =
+            |v: &[u64]| -> Vec<Duration> { v.iter().map(|&m| Duration::from_millis(m)).collect() };
+        let cameras = "count = 4\nsource = \"camera-synthetic\"\nfps = 25\n";
+        assert_eq!(starts(cameras), ms(&[0, 0, 0, 0]));
+        assert_eq!(
+            starts(&format!("{cameras}start = \"together\"\n")),
+            ms(&[0, 0, 0, 0])
+        );
+        assert_eq!(
+            starts(&format!("{cameras}start = \"spread\"\n")),
+            ms(&[0, 10, 20, 30])
+        );
+        assert_eq!(
+            starts("count = 2\nsource = \"radar-synthetic\"\nrate = 20\nstart = \"spread\"\n"),
+            ms(&[0, 25])
+        );
+        let bad = |entry: &str| {
+            let e = devices(entry).map(|_| ()).unwrap_err();
+            assert_eq!(e.key, "device[0].start", "{e}");
+            e.to_string()
+        };
+        let e = bad(&format!("{cameras}start = \"staggered\"\n"));
+        assert!(
+            e.contains("s.toml") && e.contains("together, spread"),
+            "{e}"
+        );
+        let e = bad(
+            "source = \"gstreamer\"\npipeline = \"videotestsrc ! appsink\"\nstart = \"spread\"\n",
+        );
+        assert!(e.contains("paced by its pipeline"), "{e}");
     }
 }
