@@ -56,12 +56,25 @@ fn ip(args: &[&str]) -> Result<(), String> {
 struct Hosts {
     /// The transport both ends use: `tcp` between namespaces, or `verbs` in this one.
     transport: String,
+    rx_addr: String,
+    /// The two namespaces and their link; `None` over verbs (both ends in this namespace).
+    link: Option<Link>,
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Two network namespaces joined by a veth pair.
+struct Link {
     rx: String,
     tx: String,
-    rx_addr: String,
     rx_dev: String,
     tx_dev: String,
-    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+/// Which of the two hosts a process runs on.
+#[derive(Clone, Copy)]
+enum End {
+    Rx,
+    Tx,
 }
 
 impl Hosts {
@@ -80,11 +93,8 @@ impl Hosts {
         Some(Hosts {
             _serial: SERIAL.lock().unwrap_or_else(|e| e.into_inner()),
             transport: it.transport,
-            rx: String::new(),
-            tx: String::new(),
             rx_addr: it.host,
-            rx_dev: String::new(),
-            tx_dev: String::new(),
+            link: None,
         })
     }
 
@@ -105,15 +115,18 @@ impl Hosts {
         let k = NEXT.fetch_add(1, Ordering::Relaxed);
         let tag = format!("{}{k}", std::process::id() % 100_000);
         let subnet = (std::process::id() as u32 * 7 + k) % 250 + 1;
-        let h = Hosts {
+        let hosts = Hosts {
             _serial: SERIAL.lock().unwrap_or_else(|e| e.into_inner()),
             transport,
-            rx: format!("rsrx{tag}"),
-            tx: format!("rstx{tag}"),
             rx_addr: format!("10.201.{subnet}.1"),
-            rx_dev: format!("rsr{tag}"),
-            tx_dev: format!("rst{tag}"),
+            link: Some(Link {
+                rx: format!("rsrx{tag}"),
+                tx: format!("rstx{tag}"),
+                rx_dev: format!("rsr{tag}"),
+                tx_dev: format!("rst{tag}"),
+            }),
         };
+        let (h, rx_addr) = (hosts.linked_ends(), &hosts.rx_addr);
         let setup = || -> Result<(), String> {
             ip(&["netns", "add", &h.rx])?;
             ip(&["netns", "add", &h.tx])?;
@@ -126,7 +139,7 @@ impl Hosts {
                 &h.rx,
                 "addr",
                 "add",
-                &format!("{}/24", h.rx_addr),
+                &format!("{rx_addr}/24"),
                 "dev",
                 &h.rx_dev,
             ])?;
@@ -139,9 +152,9 @@ impl Hosts {
             Ok(())
         };
         match setup() {
-            Ok(()) => Some(h),
+            Ok(()) => Some(hosts),
             Err(e) => {
-                drop(h);
+                drop(hosts);
                 let required = std::env::var_os("RDMASTREAM_REQUIRE_NETNS").is_some();
                 assert!(!required, "network namespaces are required here: {e}");
                 eprintln!("SKIPPED: cannot make network namespaces ({e}); run as root");
@@ -150,16 +163,28 @@ impl Hosts {
         }
     }
 
-    /// Starts `bin args` inside namespace `ns` (`ip netns exec` execs it: the child is the
-    /// process itself, so signals reach it); over verbs, here.
-    fn spawn(&self, ns: &str, bin: &Path, args: &[&str], log: &Path) -> Child {
+    /// The namespaces and their link, for the tests that made them ([`Hosts::linked`]).
+    fn linked_ends(&self) -> &Link {
+        self.link
+            .as_ref()
+            .expect("a test that needs the link makes its hosts with Hosts::linked")
+    }
+
+    /// Starts `bin args` on host `end`: inside its namespace (`ip netns exec` execs it: the
+    /// child is the process itself, so signals reach it), or over verbs here.
+    fn spawn(&self, end: End, bin: &Path, args: &[&str], log: &Path) -> Child {
         let out = std::fs::File::create(log).unwrap();
-        let mut command = if ns.is_empty() {
-            Command::new(bin)
-        } else {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(bin);
-            c
+        let mut command = match (&self.link, end) {
+            (None, _) => Command::new(bin),
+            (Some(l), end) => {
+                let ns = match end {
+                    End::Rx => &l.rx,
+                    End::Tx => &l.tx,
+                };
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(bin);
+                c
+            }
         };
         command
             .args(args)
@@ -173,12 +198,13 @@ impl Hosts {
     }
 
     fn link(&self, up: bool) {
+        let l = self.linked_ends();
         ip(&[
             "-n",
-            &self.tx,
+            &l.tx,
             "link",
             "set",
-            &self.tx_dev,
+            &l.tx_dev,
             if up { "up" } else { "down" },
         ])
         .unwrap();
@@ -189,7 +215,8 @@ impl Hosts {
     /// kernel here has none: shared/NETWORK-FAULTS.md). Returns whether netem is in place;
     /// `RDMASTREAM_REQUIRE_NETEM=1` (set by scripts/test-vm.sh) makes its absence a failure.
     fn netem(&self) -> bool {
-        let ends = [(&self.rx, &self.rx_dev), (&self.tx, &self.tx_dev)];
+        let l = self.linked_ends();
+        let ends = [(&l.rx, &l.rx_dev), (&l.tx, &l.tx_dev)];
         for (i, (ns, dev)) in ends.into_iter().enumerate() {
             let out = Command::new("ip")
                 .args([
@@ -216,7 +243,8 @@ impl Hosts {
     /// Drops `percent` % of the packets arriving in each namespace (nftables, where the kernel
     /// has no netem).
     fn loss(&self, percent: u32) {
-        for ns in [&self.rx, &self.tx] {
+        let l = self.linked_ends();
+        for ns in [&l.rx, &l.tx] {
             let nft = |args: &[&str]| {
                 let ok = Command::new("ip")
                     .args(["netns", "exec", ns, "nft"])
@@ -256,9 +284,9 @@ impl Hosts {
 
 impl Drop for Hosts {
     fn drop(&mut self) {
-        if !self.rx.is_empty() {
-            let _ = ip(&["netns", "del", &self.rx]);
-            let _ = ip(&["netns", "del", &self.tx]);
+        if let Some(l) = &self.link {
+            let _ = ip(&["netns", "del", &l.rx]);
+            let _ = ip(&["netns", "del", &l.tx]);
         }
     }
 }
@@ -451,10 +479,10 @@ fn block_devices_survive_twenty_receiver_kills() {
     let mut rng = Rng(seed);
     let rx_log = |k: usize| tmp.path().join(format!("rx{k}.log"));
     let tx_log = tmp.path().join("tx.log");
-    let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log(0));
+    let mut receiver = hosts.spawn(End::Rx, &bin("receiver"), &args(&rx), &rx_log(0));
     rdmastream_testkit::wait_listening(&rx_log(0));
     let mut tx = hosts.spawn(
-        &hosts.tx,
+        End::Tx,
         &bin("sender"),
         &["--config", tx_cfg.to_str().unwrap()],
         &tx_log,
@@ -476,7 +504,7 @@ fn block_devices_survive_twenty_receiver_kills() {
         receiver.kill().unwrap();
         receiver.wait().unwrap();
         std::thread::sleep(Duration::from_millis(rng.below(600)));
-        receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log(k));
+        receiver = hosts.spawn(End::Rx, &bin("receiver"), &args(&rx), &rx_log(k));
     }
     // Let the last receiver get going, then stop the sender as with Ctrl-C: it delivers what
     // is queued and ends every stream; the receiver exits on the ends.
@@ -530,10 +558,10 @@ fn block_devices_survive_delay_reordering_loss_and_a_link_down_and_up() {
         hosts.loss(1);
     }
     let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
-    let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log);
+    let mut receiver = hosts.spawn(End::Rx, &bin("receiver"), &args(&rx), &rx_log);
     rdmastream_testkit::wait_listening(&rx_log);
     let mut tx = hosts.spawn(
-        &hosts.tx,
+        End::Tx,
         &bin("sender"),
         &["--config", tx_cfg.to_str().unwrap()],
         &tx_log,
@@ -581,10 +609,10 @@ fn a_half_open_connection_is_detected_and_a_restarted_sender_writes_new_files() 
         tmp.path().join("tx1.log"),
         tmp.path().join("tx2.log"),
     );
-    let mut rx1 = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx1_log);
+    let mut rx1 = hosts.spawn(End::Rx, &bin("receiver"), &args(&rx), &rx1_log);
     rdmastream_testkit::wait_listening(&rx1_log);
     let mut tx1 = hosts.spawn(
-        &hosts.tx,
+        End::Tx,
         &bin("sender"),
         &["--config", tx_cfg.to_str().unwrap()],
         &tx1_log,
@@ -616,10 +644,10 @@ fn a_half_open_connection_is_detected_and_a_restarted_sender_writes_new_files() 
         .map(|(i, p)| (i, std::fs::read(p).unwrap()))
         .collect();
     hosts.link(true);
-    let mut rx2 = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx2_log);
+    let mut rx2 = hosts.spawn(End::Rx, &bin("receiver"), &args(&rx), &rx2_log);
     rdmastream_testkit::wait_listening(&rx2_log);
     let mut tx2 = hosts.spawn(
-        &hosts.tx,
+        End::Tx,
         &bin("sender"),
         &["--config", tx_cfg.to_str().unwrap()],
         &tx2_log,
@@ -699,10 +727,10 @@ fn a_full_disk_holds_block_devices_until_space_returns() {
     let rx = receiver(tmp.path(), &hosts, port, &out, "");
     let tx_cfg = sender(tmp.path(), &hosts, port, frames, "");
     let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
-    let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log);
+    let mut receiver = hosts.spawn(End::Rx, &bin("receiver"), &args(&rx), &rx_log);
     rdmastream_testkit::wait_listening(&rx_log);
     let mut tx = hosts.spawn(
-        &hosts.tx,
+        End::Tx,
         &bin("sender"),
         &["--config", tx_cfg.to_str().unwrap()],
         &tx_log,
@@ -750,10 +778,10 @@ fn ctrl_c_during_an_outage_exits_within_the_grace_period() {
     let rx = receiver(tmp.path(), &hosts, port, &out, "");
     let tx_cfg = sender(tmp.path(), &hosts, port, 100_000, "shutdown_grace = 2.0");
     let (rx_log, tx_log) = (tmp.path().join("rx.log"), tmp.path().join("tx.log"));
-    let mut receiver = hosts.spawn(&hosts.rx, &bin("receiver"), &args(&rx), &rx_log);
+    let mut receiver = hosts.spawn(End::Rx, &bin("receiver"), &args(&rx), &rx_log);
     rdmastream_testkit::wait_listening(&rx_log);
     let mut tx = hosts.spawn(
-        &hosts.tx,
+        End::Tx,
         &bin("sender"),
         &["--config", tx_cfg.to_str().unwrap()],
         &tx_log,
