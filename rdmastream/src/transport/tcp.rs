@@ -1997,16 +1997,62 @@ fn serve_requests<R: Read, W: Write>(
     }
 }
 
+/// Hands out at most `chunk` bytes per read, as a socket does when data trickles in;
+/// counts the reads and the bytes that went anywhere but into the NIC's buffer (whose fills
+/// ask for exactly `NIC_BUFFER` or `NIC_SHORT_FILL` bytes).
+#[cfg(any(test, feature = "fuzzing"))]
+struct Trickle<'a> {
+    data: &'a [u8],
+    chunk: usize,
+    reads: usize,
+    past_buffer: usize,
+}
+
+#[cfg(any(test, feature = "fuzzing"))]
+impl Read for Trickle<'_> {
+    /// One read into one slice: a readv of it alone.
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.read_vectored(&mut [std::io::IoSliceMut::new(buf)])
+    }
+
+    /// As a socket's readv: one read fills the slices in turn with what has arrived.
+    fn read_vectored(&mut self, bufs: &mut [std::io::IoSliceMut<'_>]) -> std::io::Result<usize> {
+        self.reads += 1;
+        let mut total = 0;
+        for buf in bufs.iter_mut() {
+            let n = buf.len().min(self.chunk - total).min(self.data.len());
+            if buf.len() != NIC_BUFFER && buf.len() != NIC_SHORT_FILL {
+                self.past_buffer += n;
+            }
+            buf[..n].copy_from_slice(&self.data[..n]);
+            self.data = &self.data[n..];
+            total += n;
+        }
+        Ok(total)
+    }
+}
+
 /// Entry points for `fuzz/` (feature `fuzzing`): the tcp NIC's request decoder on raw bytes.
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
     use super::*;
 
-    /// Feeds `input` to a NIC thread serving `region` as if a peer had sent it; returns what
+    /// Feeds `input` to a NIC thread serving `region` as if a peer had sent it, at most `chunk`
+    /// bytes per read (as a socket brings them in: small chunks drain the NIC's buffer, so
+    /// WRITEs of [`NIC_DIRECT`] bytes and more are read straight into the region); returns what
     /// the NIC answered and how the connection ended.
-    pub fn serve(region: &SoftRegion, input: &[u8]) -> (Vec<u8>, std::result::Result<(), String>) {
-        let mut r = NicReader::new(input);
+    pub fn serve(
+        region: &SoftRegion,
+        input: &[u8],
+        chunk: usize,
+    ) -> (Vec<u8>, std::result::Result<(), String>) {
+        let mut r = NicReader::new(Trickle {
+            data: input,
+            chunk: chunk.max(1),
+            reads: 0,
+            past_buffer: 0,
+        });
         let mut out = Vec::new();
         let end = serve_requests(&mut r, &mut out, region, Duration::from_secs(1));
         (out, end)
@@ -2237,42 +2283,6 @@ mod tests {
         acks.answered(12, |id| done.push(id)).unwrap();
         assert_eq!(done, [11]);
         assert!(acks.answered(12, |_| {}).is_err(), "nothing waits any more");
-    }
-
-    /// Hands out at most `chunk` bytes per read, as a socket does when data trickles in;
-    /// counts the reads and the bytes that went anywhere but into the NIC's buffer (whose fills
-    /// ask for exactly `NIC_BUFFER` or `NIC_SHORT_FILL` bytes).
-    struct Trickle<'a> {
-        data: &'a [u8],
-        chunk: usize,
-        reads: usize,
-        past_buffer: usize,
-    }
-
-    impl Read for Trickle<'_> {
-        /// One read into one slice: a readv of it alone.
-        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-            self.read_vectored(&mut [std::io::IoSliceMut::new(buf)])
-        }
-
-        /// As a socket's readv: one read fills the slices in turn with what has arrived.
-        fn read_vectored(
-            &mut self,
-            bufs: &mut [std::io::IoSliceMut<'_>],
-        ) -> std::io::Result<usize> {
-            self.reads += 1;
-            let mut total = 0;
-            for buf in bufs.iter_mut() {
-                let n = buf.len().min(self.chunk - total).min(self.data.len());
-                if buf.len() != NIC_BUFFER && buf.len() != NIC_SHORT_FILL {
-                    self.past_buffer += n;
-                }
-                buf[..n].copy_from_slice(&self.data[..n]);
-                self.data = &self.data[n..];
-                total += n;
-            }
-            Ok(total)
-        }
     }
 
     fn op(op: u8, target: Target, offset: u64, len: usize, wr_id: u64) -> Vec<u8> {
