@@ -243,6 +243,58 @@ mod shipped_tests {
         assert_eq!(e.key, "poll_spin_us", "{e}");
     }
 
+    /// The configs the compose demo and the Kubernetes manifests mount parse and validate as
+    /// the binaries would take them: a key misspelt or a value out of range there fails here,
+    /// not on a cluster. (What needs the deployment itself, a key file or an image directory
+    /// inside the container, is checked when the binaries start.)
+    #[test]
+    fn the_deployment_configs_are_valid() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        // The key files are the deployment's secrets: a key of the same form stands in.
+        let tmp = tempfile::tempdir().unwrap();
+        let key = tmp.path().join("stand-in.key");
+        std::fs::write(&key, "ab".repeat(32)).unwrap();
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        }
+        let stand_in = |text: &str| -> String {
+            text.lines()
+                .map(|l| {
+                    if l.trim_start().starts_with("key_file") {
+                        format!("key_file = {:?}", key.display().to_string())
+                    } else {
+                        l.to_string()
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        for name in [
+            "deploy/compose/receiver.toml",
+            "deploy/k8s/base/receiver.toml",
+        ] {
+            let file = root.join(name);
+            let text = std::fs::read_to_string(&file).unwrap();
+            let cfg =
+                ReceiverConfig::parse(&stand_in(&text), &file).unwrap_or_else(|e| panic!("{e}"));
+            if let Err(e) = cfg.validate(&file) {
+                panic!("{e}");
+            }
+        }
+        for name in [
+            "deploy/compose/edge-1.toml",
+            "deploy/compose/edge-2.toml",
+            "deploy/k8s/base/sender.toml",
+        ] {
+            let file = root.join(name);
+            let cfg = SenderConfig::load(&file).unwrap_or_else(|e| panic!("{e}"));
+            let devices = cfg.validate(&file).unwrap_or_else(|e| panic!("{e}"));
+            assert!(!devices.is_empty(), "{name}: no devices");
+        }
+    }
+
     /// The shipped configs document the defaults: every key they set has the value the code
     /// uses when the key is left out (their device lists are examples, not defaults).
     #[test]
