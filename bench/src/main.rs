@@ -15,6 +15,9 @@
 //! Usage: `cargo run --release -p rdmastream-bench -- [throughput|cameras|cameras-shm|all]
 //! [--seconds S]`;
 //! in the Soft-RoCE VM (`scripts/bench-vm.sh [verbs|verbs-sync]`): `verbs`, `verbs-sync [--rounds R]`.
+//! `region-tcp [--block BYTES] [--rounds R] [--seconds S]`: the engine over tcp (frames written
+//! in place) with the default 16 receiver blocks next to a region of at least 4 MiB, between
+//! plain TCP copies, round after round (default 64 KiB, 8 rounds of 3 s).
 //! `frame-cpu`: what one 640×480 RGB frame costs the CPU outside the transport (the filling
 //! copy, the CRC32C seal, the receiver's validation), here or in the VM, to compare the two;
 //! with the in-place paths beside the copying one. `frame-instr [--rounds R]`: the same steps
@@ -30,7 +33,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rdmastream::engine::SourceFrame;
@@ -62,7 +65,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-shm-live|engine-shm-place|transport-tcp|plain-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-shm-live|engine-shm-place|transport-tcp|plain-tcp|region-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M] [--block BYTES]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
@@ -207,6 +210,11 @@ fn main() {
             let rate = block_rate(block, frames, seconds, l, c);
             println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
         }
+        "region-tcp" => region_tcp(
+            opt("--block", 65536.0) as usize,
+            opt("--rounds", 8.0) as usize,
+            opt("--seconds", 3.0),
+        ),
         "verbs" => verbs(seconds),
         "frame-cpu" => frame_cpu(),
         "frame-instr" => frame_instr(opt("--rounds", 5.0) as usize),
@@ -649,9 +657,91 @@ fn env_knob<T: std::str::FromStr>(name: &str) -> Option<T> {
 }
 
 /// The receiver's blocks per sender in the benchmarks (`BENCH_BLOCKS`, default 16, as
-/// configs/receiver.toml).
+/// configs/receiver.toml), unless a benchmark sets them for its next run ([`BLOCKS_NOW`]).
 fn region_blocks() -> usize {
-    env_knob("BENCH_BLOCKS").unwrap_or(16)
+    match BLOCKS_NOW.load(Ordering::Relaxed) {
+        0 => env_knob("BENCH_BLOCKS").unwrap_or(16),
+        n => n,
+    }
+}
+
+/// The receiver's blocks per sender for the runs that follow (0: [`region_blocks`]'s default):
+/// `region-tcp` measures two region sizes side by side in one process.
+static BLOCKS_NOW: AtomicUsize = AtomicUsize::new(0);
+
+/// The bytes a receiver's region holds in `region-tcp`'s second column (at least 16 blocks).
+const REGION_BYTES: usize = 4 << 20;
+
+/// `region-tcp`: at one block size, the whole engine over tcp with frames written in place and
+/// a region of 16 blocks (the default) next to one of at least [`REGION_BYTES`], between two
+/// plain TCP copies, round after round; each engine's rate ÷ the mean of its round's two plain
+/// TCP rates. A region smaller than what the loopback holds in flight leaves the sender waiting
+/// for syncs to find a block free (README, Benchmarks, "At 64 KiB, the region's size").
+fn region_tcp(block: usize, rounds: usize, secs: f64) {
+    if block < 1024 || rounds == 0 {
+        eprintln!("bench region-tcp: --block must be 1024 bytes or more and --rounds at least 1");
+        std::process::exit(2);
+    }
+    let big = (REGION_BYTES / block).max(16);
+    println!(
+        "== region-tcp: {} blocks, engine over tcp with frames written in place, {secs:.1} s per point; MB/s, and ÷ plain TCP of the same round ==",
+        human(block)
+    );
+    println!(
+        "{:>5} {:>10} {:>16} {:>16} {:>10} {:>8} {:>8}",
+        "round",
+        "plain TCP",
+        format!("16 blocks ({})", human(16 * block)),
+        format!("{big} blocks ({})", human(big * block)),
+        "plain TCP",
+        "16 ÷",
+        format!("{big} ÷")
+    );
+    let mut ratios = (Vec::new(), Vec::new());
+    let place = |blocks: usize| {
+        BLOCKS_NOW.store(blocks, Ordering::Relaxed);
+        let (l, c) = loopback_tcp(block);
+        let rate = block_rate(block, Frames::Placed, secs, l, c);
+        BLOCKS_NOW.store(0, Ordering::Relaxed);
+        rate
+    };
+    for round in 1..=rounds {
+        let before = plain_tcp_rate(block, secs);
+        // Which region goes first alternates, so neither always follows plain TCP.
+        let (small, large) = if round % 2 == 1 {
+            let s = place(16);
+            (s, place(big))
+        } else {
+            let b = place(big);
+            (place(16), b)
+        };
+        let after = plain_tcp_rate(block, secs);
+        let plain = (before + after) / 2.0;
+        ratios.0.push(small / plain);
+        ratios.1.push(large / plain);
+        println!(
+            "{round:>5} {:>10.1} {:>16.1} {:>16.1} {:>10.1} {:>7.0}% {:>7.0}%",
+            before / 1e6,
+            small / 1e6,
+            large / 1e6,
+            after / 1e6,
+            100.0 * small / plain,
+            100.0 * large / plain
+        );
+    }
+    let range = |v: &[f64]| {
+        let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = v.iter().copied().fold(0.0, f64::max);
+        let at_least = v.iter().filter(|&&r| r >= 0.8).count();
+        format!(
+            "{:.0}–{:.0} % (≥ 80 % in {at_least} of {})",
+            100.0 * lo,
+            100.0 * hi,
+            v.len()
+        )
+    };
+    println!("16 blocks: {}", range(&ratios.0));
+    println!("{big} blocks: {}", range(&ratios.1));
 }
 
 /// A Unix socket for the shm transport's benchmarks, in a directory of its own that goes away
