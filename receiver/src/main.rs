@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 
 use rdmastream::engine::ReceiverHandle;
+use rdmastream::transport::Kind;
 use rdmastream_app::cli::{ConfigError, init_logging, load_config};
 use rdmastream_app::config::{ReceiverConfig, ReceiverPlan};
 use rdmastream_app::monitor::Role;
@@ -117,6 +118,9 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         cfg.block_size,
         cfg.out.display()
     );
+    if let Some(hint) = cfg.tcp_region_hint(kind == Kind::Tcp) {
+        tracing::info!("{hint}");
+    }
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();

@@ -188,7 +188,28 @@ fn file_format(file: &Path, key: &str, s: &str) -> Result<FileFormat, ConfigErro
         .ok_or_else(|| ConfigError::new(file, key, format!("{s:?} is not one of raw, ppm, png")))
 }
 
+/// The bytes a tcp sender's region holds at least for the sender not to wait for syncs at full
+/// rate (docs/protocol.md, "How many blocks"; README, Benchmarks, "At 64 KiB, the region's size").
+pub const TCP_REGION_BYTES: usize = 4 << 20;
+
 impl ReceiverConfig {
+    /// Over tcp, a line for the log when each sender's region (`blocks` × `block_size`) is smaller
+    /// than [`TCP_REGION_BYTES`], with the `blocks` that would reach it; `None` otherwise. A
+    /// hint, not an error: a sender that never streams at full rate does not need more.
+    pub fn tcp_region_hint(&self, tcp: bool) -> Option<String> {
+        let region = self.blocks.saturating_mul(self.block_size);
+        if !tcp || region >= TCP_REGION_BYTES || self.block_size == 0 {
+            return None;
+        }
+        Some(format!(
+            "each sender's region is {} KiB ({} blocks of {} bytes): over tcp a sender streaming at full rate waits for syncs below 4 MiB; `blocks = {}` would hold that",
+            region >> 10,
+            self.blocks,
+            self.block_size,
+            TCP_REGION_BYTES.div_ceil(self.block_size)
+        ))
+    }
+
     /// Parses receiver.toml text (`file` names it in errors).
     pub fn parse(text: &str, file: &Path) -> Result<ReceiverConfig, ConfigError> {
         crate::cli::parse_toml(text, file)
@@ -469,4 +490,36 @@ fn receiver_keys(cfg: &ReceiverConfig, file: &Path) -> Result<Keys, ConfigError>
         }
     }
     Ok(keys)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Over tcp a region under 4 MiB gets a hint naming the `blocks` that would hold 4 MiB;
+    /// 4 MiB or more, or another transport, none.
+    #[test]
+    fn a_small_tcp_region_gets_a_hint() {
+        let file = Path::new("r.toml");
+        let cfg = |text: &str| ReceiverConfig::parse(text, file).unwrap();
+        let small = cfg("blocks = 16\nblock_size = 65536\n");
+        let hint = small
+            .tcp_region_hint(true)
+            .expect("1 MiB over tcp gets a hint");
+        assert!(
+            hint.contains("1024 KiB") && hint.contains("`blocks = 64`"),
+            "{hint}"
+        );
+        assert_eq!(small.tcp_region_hint(false), None, "only over tcp");
+        assert_eq!(
+            cfg("blocks = 64\nblock_size = 65536\n").tcp_region_hint(true),
+            None
+        );
+        // The shipped default, 16 blocks of 1 MiB.
+        assert_eq!(cfg("").tcp_region_hint(true), None);
+        let odd = cfg("blocks = 4\nblock_size = 100000\n")
+            .tcp_region_hint(true)
+            .unwrap();
+        assert!(odd.contains("`blocks = 42`"), "{odd}");
+    }
 }
