@@ -669,8 +669,9 @@ fn region_blocks() -> usize {
 /// `region-tcp` measures two region sizes side by side in one process.
 static BLOCKS_NOW: AtomicUsize = AtomicUsize::new(0);
 
-/// The bytes a receiver's region holds in `region-tcp`'s second column (at least 16 blocks).
-const REGION_BYTES: usize = 4 << 20;
+/// The bytes a receiver's region holds in `region-tcp`'s second column (at least 16 blocks):
+/// what the receiver asks a tcp sender's region to hold.
+const REGION_BYTES: usize = rdmastream_app::config::TCP_REGION_BYTES;
 
 /// `region-tcp`: at one block size, the whole engine over tcp with frames written in place and
 /// a region of 16 blocks (the default) next to one of at least [`REGION_BYTES`], between two

@@ -4,7 +4,9 @@
 mod receiver;
 mod sender;
 
-pub use receiver::{ReceiverConfig, ReceiverDeviceConfig, ReceiverPlan, SenderKeyConfig};
+pub use receiver::{
+    ReceiverConfig, ReceiverDeviceConfig, ReceiverPlan, SenderKeyConfig, TCP_REGION_BYTES,
+};
 pub use sender::{Device, SenderConfig, SenderDeviceConfig, Source};
 
 /// Checks a duration in seconds against its allowed range; the error text says the range.
