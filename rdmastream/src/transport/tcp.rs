@@ -621,8 +621,9 @@ struct AckRoute {
 }
 
 impl TcpConnector {
-    /// Handshakes and starts the completion thread: the shared part of a status-byte and a
-    /// sliding-window connection (`acks` set for the latter).
+    /// Handshakes and sets up where the receiver's answers are read: the shared part of a
+    /// status-byte connection (the sending thread reads them) and a sliding-window connection
+    /// (`acks` set: a completion thread reads them).
     fn open(
         &self,
         hello: &Hello,
@@ -644,9 +645,6 @@ impl TcpConnector {
             blocks: welcome.blocks as usize,
             block_size: welcome.block_size as usize,
         };
-        // Bounded: a receiver that floods acknowledgements is read no faster than the sending
-        // thread takes them.
-        let (tx, rx) = crossbeam_channel::bounded(COMPLETION_QUEUE);
         let expected_read = Arc::new(AtomicUsize::new(NO_READ));
         let reader = stream.try_clone().map_err(connect_err)?;
         let started = Instant::now();
@@ -658,22 +656,37 @@ impl TcpConnector {
             heard.clone(),
             notices.clone(),
         );
-        let counts = match &acks {
-            Some(route) => route.counts.clone(),
-            None => Arc::new(WorkCounter::new(1)),
+        let (counts, answers) = match acks {
+            Some(route) => {
+                let counts = route.counts.clone();
+                // Bounded: a receiver that floods acknowledgements is read no faster than the
+                // sending thread takes them.
+                let (tx, rx) = crossbeam_channel::bounded(COMPLETION_QUEUE);
+                let acks = (route.acks.0, route.posted, route.counts);
+                spawn(format!("tcp-completions-{peer}"), move || {
+                    completion_reader(
+                        reader,
+                        reader_peer,
+                        tx,
+                        expected,
+                        (started, reader_heard),
+                        reader_notices,
+                        acks,
+                    )
+                })?;
+                (counts, Answers::Thread(rx))
+            }
+            None => {
+                reader
+                    .set_read_timeout(Some(self.peer_timeout))
+                    .map_err(connect_err)?;
+                let answers = Answers::Direct {
+                    r: BufReader::with_capacity(ANSWER_BUFFER, reader),
+                    ready: std::collections::VecDeque::new(),
+                };
+                (Arc::new(WorkCounter::new(1)), answers)
+            }
         };
-        let acks = acks.map(|r| (r.acks.0, r.posted, r.counts));
-        spawn(format!("tcp-completions-{peer}"), move || {
-            completion_reader(
-                reader,
-                reader_peer,
-                tx,
-                expected,
-                (started, reader_heard),
-                reader_notices,
-                acks,
-            )
-        })?;
         // A write that cannot get out for a whole peer timeout (the link is down, the receiver
         // stopped reading) fails the connection instead of blocking the sending thread, so a
         // stop or a reconnect is never held up by a dead link.
@@ -690,7 +703,7 @@ impl TcpConnector {
             pending: Vec::with_capacity(2 * SMALL_WRITE),
             deferred: Vec::with_capacity(MAX_DEFERRED),
             blocks: blocks.clone(),
-            completions: rx,
+            answers,
             expected_read,
             started,
             heard,
@@ -715,9 +728,127 @@ enum Event {
     Failed(String),
 }
 
-/// Reads the receiver's answers. Nothing the receiver says is trusted: a READ response must be
-/// exactly as long as the READ that is outstanding, error texts are cut and escaped, and any
-/// other operation ends the connection.
+/// What [`read_answer`] needs besides the socket: the connection's shared state.
+struct AnswerCtx<'a> {
+    peer: &'a str,
+    /// Length of the READ outstanding ([`NO_READ`]: none).
+    expected_read: &'a AtomicUsize,
+    started: Instant,
+    heard: &'a AtomicU64,
+    notices: &'a NoticeQueue,
+    /// A sliding-window connection's ACK route: the ACK completion queue, the receive requests
+    /// posted, the work counts.
+    acks: Option<&'a (Sender<Immediate>, Arc<AtomicUsize>, Arc<WorkCounter>)>,
+}
+
+/// Reads one of the receiver's answers. Nothing the receiver says is trusted: a READ response
+/// must be exactly as long as the READ that is outstanding, error texts are cut and escaped, and
+/// any other operation ends the connection. Returns the event for the sending thread (a
+/// completion, or the failure that ends the connection), or `None` for an answer handled here
+/// (a heartbeat's ACK, a notice, a sliding-window ACK).
+fn read_answer<R: Read>(r: &mut BufReader<R>, cx: &AnswerCtx<'_>) -> Option<Event> {
+    let peer = cx.peer;
+    let fail = |why: String| Some(Event::Failed(why));
+    let mut hb = [0u8; OP_HEADER];
+    if let Err(e) = r.read_exact(&mut hb) {
+        return fail(format!("receiver closed the connection ({e})"));
+    }
+    cx.heard
+        .store(cx.started.elapsed().as_millis() as u64, Ordering::Release);
+    let h = OpHeader::decode(&hb);
+    match h.op {
+        // The answer to a heartbeat: the receiver is alive; nothing completes.
+        OP_ACK if h.wr_id == NOP_WR_ID => None,
+        OP_ACK => Some(Event::Done(Completion::Write { wr_id: h.wr_id })),
+        OP_READ_RESP => {
+            let want = cx.expected_read.swap(NO_READ, Ordering::AcqRel);
+            if want == NO_READ || h.len as usize != want {
+                return fail(format!(
+                    "protocol error from {peer}: a READ response of {} bytes where {} were asked for",
+                    h.len,
+                    if want == NO_READ {
+                        "none".to_string()
+                    } else {
+                        want.to_string()
+                    }
+                ));
+            }
+            let mut data = vec![0u8; want];
+            if let Err(e) = r.read_exact(&mut data) {
+                return fail(format!("reading READ response: {e}"));
+            }
+            Some(Event::Done(Completion::Read {
+                wr_id: h.wr_id,
+                data,
+            }))
+        }
+        OP_NOTICE => {
+            if h.len as usize > MAX_NOTICE_TEXT {
+                return fail(format!(
+                    "protocol error from {peer}: a notice of {} bytes (at most {MAX_NOTICE_TEXT})",
+                    h.len
+                ));
+            }
+            let mut text = vec![0u8; h.len as usize];
+            if let Err(e) = r.read_exact(&mut text) {
+                return fail(format!("reading a notice: {e}"));
+            }
+            cx.notices.push(Notice::from_peer(h.target, &text));
+            None
+        }
+        OP_SEND => {
+            let Some((acks, posted, counts)) = cx.acks else {
+                return fail(format!(
+                    "protocol error from {peer}: a SEND on a status-byte connection"
+                ));
+            };
+            if h.len as usize != ACK_LEN {
+                return fail(format!(
+                    "protocol error from {peer}: a SEND of {} bytes",
+                    h.len
+                ));
+            }
+            let mut ack = [0u8; ACK_LEN];
+            if let Err(e) = r.read_exact(&mut ack) {
+                return fail(format!("reading SEND: {e}"));
+            }
+            // Consume one posted receive request, or fail: receiver not ready (RNR).
+            if posted
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                .is_err()
+            {
+                return fail(format!(
+                    "RNR: an ACK from {peer} found no receive request posted (the \
+                     receiver acknowledged more blocks than the window holds)"
+                ));
+            }
+            counts.consume_recv();
+            counts.completion();
+            match Immediate::from_ack(&ack) {
+                Ok(imm) => match acks.send(imm) {
+                    Ok(()) => None,
+                    Err(_) => fail("the ACK completion queue is gone".into()),
+                },
+                Err(e) => fail(format!("protocol error from {peer}: {e}")),
+            }
+        }
+        OP_ERROR => {
+            let mut text = vec![0u8; (h.len as usize).min(4096)];
+            let _ = r.read_exact(&mut text);
+            fail(format!(
+                "remote access error: {}",
+                logsafe::clean_bytes(&text, logsafe::MAX_PEER_TEXT)
+            ))
+        }
+        other => fail(format!(
+            "protocol error from {peer}: unknown operation {other}"
+        )),
+    }
+}
+
+/// A sliding-window connection's completion thread: reads the receiver's answers, puts ACKs on
+/// the ACK completion queue (which another thread of the sender waits on) and hands the
+/// completions to the sending thread, until the connection ends.
 fn completion_reader(
     stream: TcpStream,
     peer: String,
@@ -725,137 +856,59 @@ fn completion_reader(
     expected_read: Arc<AtomicUsize>,
     (started, heard): (Instant, Arc<AtomicU64>),
     notices: NoticeQueue,
-    acks: Option<(Sender<Immediate>, Arc<AtomicUsize>, Arc<WorkCounter>)>,
+    acks: (Sender<Immediate>, Arc<AtomicUsize>, Arc<WorkCounter>),
 ) {
-    let mut r = BufReader::with_capacity(16 * 1024, stream);
-    let fail = |tx: &Sender<Event>, why: String| {
-        let _ = tx.send(Event::Failed(why));
+    let mut r = BufReader::with_capacity(ANSWER_BUFFER, stream);
+    let cx = AnswerCtx {
+        peer: &peer,
+        expected_read: &expected_read,
+        started,
+        heard: &heard,
+        notices: &notices,
+        acks: Some(&acks),
     };
     loop {
-        let mut hb = [0u8; OP_HEADER];
-        if let Err(e) = r.read_exact(&mut hb) {
-            return fail(&tx, format!("receiver closed the connection ({e})"));
-        }
-        heard.store(started.elapsed().as_millis() as u64, Ordering::Release);
-        let h = OpHeader::decode(&hb);
-        match h.op {
-            // The answer to a heartbeat: the receiver is alive; nothing completes.
-            OP_ACK if h.wr_id == NOP_WR_ID => continue,
-            OP_ACK => {}
-            OP_READ_RESP => {
-                let want = expected_read.swap(NO_READ, Ordering::AcqRel);
-                if want == NO_READ || h.len as usize != want {
-                    return fail(
-                        &tx,
-                        format!(
-                            "protocol error from {peer}: a READ response of {} bytes where {} were asked for",
-                            h.len,
-                            if want == NO_READ {
-                                "none".to_string()
-                            } else {
-                                want.to_string()
-                            }
-                        ),
-                    );
-                }
-                let mut data = vec![0u8; want];
-                if let Err(e) = r.read_exact(&mut data) {
-                    return fail(&tx, format!("reading READ response: {e}"));
-                }
-                if tx
-                    .send(Event::Done(Completion::Read {
-                        wr_id: h.wr_id,
-                        data,
-                    }))
-                    .is_err()
-                {
-                    return;
-                }
-                continue;
-            }
-            OP_NOTICE => {
-                if h.len as usize > MAX_NOTICE_TEXT {
-                    return fail(
-                        &tx,
-                        format!(
-                            "protocol error from {peer}: a notice of {} bytes (at most {MAX_NOTICE_TEXT})",
-                            h.len
-                        ),
-                    );
-                }
-                let mut text = vec![0u8; h.len as usize];
-                if let Err(e) = r.read_exact(&mut text) {
-                    return fail(&tx, format!("reading a notice: {e}"));
-                }
-                notices.push(Notice::from_peer(h.target, &text));
-                continue;
-            }
-            OP_SEND => {
-                let Some((acks, posted, counts)) = &acks else {
-                    return fail(
-                        &tx,
-                        format!("protocol error from {peer}: a SEND on a status-byte connection"),
-                    );
-                };
-                if h.len as usize != ACK_LEN {
-                    return fail(
-                        &tx,
-                        format!("protocol error from {peer}: a SEND of {} bytes", h.len),
-                    );
-                }
-                let mut ack = [0u8; ACK_LEN];
-                if let Err(e) = r.read_exact(&mut ack) {
-                    return fail(&tx, format!("reading SEND: {e}"));
-                }
-                // Consume one posted receive request, or fail: receiver not ready (RNR).
-                if posted
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-                    .is_err()
-                {
-                    return fail(
-                        &tx,
-                        format!(
-                            "RNR: an ACK from {peer} found no receive request posted (the \
-                             receiver acknowledged more blocks than the window holds)"
-                        ),
-                    );
-                }
-                counts.consume_recv();
-                counts.completion();
-                match Immediate::from_ack(&ack) {
-                    Ok(imm) => {
-                        if acks.send(imm).is_err() {
-                            return;
-                        }
-                    }
-                    Err(e) => return fail(&tx, format!("protocol error from {peer}: {e}")),
-                }
-                continue;
-            }
-            OP_ERROR => {
-                let mut text = vec![0u8; (h.len as usize).min(4096)];
-                let _ = r.read_exact(&mut text);
-                return fail(
-                    &tx,
-                    format!(
-                        "remote access error: {}",
-                        logsafe::clean_bytes(&text, logsafe::MAX_PEER_TEXT)
-                    ),
-                );
-            }
-            other => {
-                return fail(
-                    &tx,
-                    format!("protocol error from {peer}: unknown operation {other}"),
-                );
-            }
-        }
-        if tx
-            .send(Event::Done(Completion::Write { wr_id: h.wr_id }))
-            .is_err()
-        {
+        let Some(ev) = read_answer(&mut r, &cx) else {
+            continue;
+        };
+        let end = matches!(ev, Event::Failed(_));
+        if tx.send(ev).is_err() || end {
             return;
         }
+    }
+}
+
+/// Bytes of the receiver's answers read at once.
+const ANSWER_BUFFER: usize = 16 * 1024;
+
+/// Where a connection's answers come from.
+enum Answers {
+    /// A status-byte connection: the sending thread reads them itself when it waits for
+    /// completions (or checks on the receiver between turns), so an ACK costs no thread
+    /// wake-up. The socket's read timeout is the peer timeout: a receiver that stops in the
+    /// middle of an answer fails the connection instead of holding the sending thread.
+    Direct {
+        r: BufReader<TcpStream>,
+        /// Completions read and not handed on yet.
+        ready: std::collections::VecDeque<Completion>,
+    },
+    /// A sliding-window connection: its ACKs must reach the ACK completion queue while the
+    /// sending thread waits elsewhere, so a thread reads them ([`completion_reader`]).
+    Thread(Receiver<Event>),
+}
+
+/// Waits up to `timeout` for `stream` to have something to read (or to be closed).
+fn readable(stream: &TcpStream, timeout: Duration) -> std::io::Result<bool> {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let ts = Timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as i64,
+        tv_nsec: timeout.subsec_nanos().into(),
+    };
+    let mut fds = [PollFd::new(stream, PollFlags::IN)];
+    match rustix::event::poll(&mut fds, Some(&ts)) {
+        Ok(n) => Ok(n > 0),
+        Err(rustix::io::Errno::INTR) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -869,8 +922,8 @@ pub struct TcpConnection {
     /// Send blocks' data that goes out at `pending[at]` on the next flush, in order.
     deferred: Vec<Deferred>,
     blocks: Arc<SendBlocks>,
-    completions: Receiver<Event>,
-    /// Length of the READ outstanding (`NO_READ`: none), for the completion reader's check.
+    answers: Answers,
+    /// Length of the READ outstanding (`NO_READ`: none), for the answers' check.
     expected_read: Arc<AtomicUsize>,
     /// When the receiver was last heard from (ms since `started`), and when the last
     /// heartbeat went out.
@@ -878,7 +931,7 @@ pub struct TcpConnection {
     heard: Arc<AtomicU64>,
     nop_sent: Instant,
     peer_timeout: Duration,
-    /// Notices the completion reader received.
+    /// Notices the receiver sent.
     notices: NoticeQueue,
     /// Work requests posted and completed, and the queue depths used.
     counts: Arc<WorkCounter>,
@@ -894,8 +947,9 @@ pub struct TcpConnection {
 /// the receiver's NIC thread answers requests in order, so one ACK completes the chains posted
 /// before it too, and the sending connection reports each of them complete when it comes (the
 /// sender's machine still sees one completion per chain, in posting order). An ACK is a small
-/// message back through the loopback and a wake-up of the completion thread and the sending
-/// thread; one per block cost about a fifth of the transport's CPU at 64 KiB blocks.
+/// message back through the loopback and a read (and, when the sending thread was waiting for
+/// it, a wake-up); one per block cost about a fifth of the transport's CPU at 64 KiB blocks,
+/// when a completion thread read them and woke the sending thread for each.
 const ACK_EVERY: usize = 4;
 
 /// The signaled requests of a [`TcpConnection`] not yet complete, in posting order, and which of
@@ -1080,15 +1134,53 @@ impl TcpConnection {
 
     fn handle(&mut self, event: Event, out: &mut Vec<Completion>) -> Result<()> {
         match event {
-            Event::Done(c) => {
-                let earlier = |wr_id| out.push(Completion::Write { wr_id });
-                if let Err(e) = self.acks.answered(c.wr_id(), earlier) {
-                    return Err(self.lost(format!("protocol error from {}: {e}", self.peer)));
-                }
-                out.push(c);
-                Ok(())
-            }
+            Event::Done(c) => self.complete(c, out),
             Event::Failed(why) => Err(self.lost(why)),
+        }
+    }
+
+    /// Hands on `c` and the requests whose acknowledgement rode on it.
+    fn complete(&mut self, c: Completion, out: &mut Vec<Completion>) -> Result<()> {
+        let earlier = |wr_id| out.push(Completion::Write { wr_id });
+        if let Err(e) = self.acks.answered(c.wr_id(), earlier) {
+            return Err(self.lost(format!("protocol error from {}: {e}", self.peer)));
+        }
+        out.push(c);
+        Ok(())
+    }
+
+    /// A status-byte connection's sending thread reads the answers that have come, waiting up
+    /// to `timeout` for the first: completions are kept for [`Connection::poll_completions`];
+    /// a failure ends the connection at once.
+    fn read_answers(&mut self, timeout: Duration) -> Result<()> {
+        let Answers::Direct { r, ready } = &mut self.answers else {
+            return Ok(());
+        };
+        if r.buffer().is_empty() {
+            match readable(r.get_ref(), timeout) {
+                Ok(true) => {}
+                Ok(false) => return Ok(()),
+                Err(e) => return Err(self.lost(format!("waiting for the receiver: {e}"))),
+            }
+        }
+        let cx = AnswerCtx {
+            peer: &self.peer,
+            expected_read: &self.expected_read,
+            started: self.started,
+            heard: &self.heard,
+            notices: &self.notices,
+            acks: None,
+        };
+        // Everything the last read brought: no answer waits in the buffer for a later turn.
+        loop {
+            match read_answer(r, &cx) {
+                Some(Event::Done(c)) => ready.push_back(c),
+                Some(Event::Failed(why)) => return Err(self.lost(why)),
+                None => {}
+            }
+            if r.buffer().is_empty() {
+                return Ok(());
+            }
         }
     }
 }
@@ -1206,13 +1298,31 @@ impl Connection for TcpConnection {
         }
         self.flush()?;
         let from = out.len();
-        match self.completions.recv_timeout(timeout) {
-            Ok(ev) => self.handle(ev, out)?,
-            Err(RecvTimeoutError::Timeout) => return Ok(()),
-            Err(RecvTimeoutError::Disconnected) => return Err(self.lost("completion thread ended")),
-        }
-        while let Ok(ev) = self.completions.try_recv() {
-            self.handle(ev, out)?;
+        match &self.answers {
+            Answers::Direct { ready, .. } => {
+                if ready.is_empty() {
+                    self.read_answers(timeout)?;
+                }
+                let Answers::Direct { ready, .. } = &mut self.answers else {
+                    unreachable!("a connection's answers keep their kind")
+                };
+                for c in std::mem::take(ready) {
+                    self.complete(c, out)?;
+                }
+            }
+            Answers::Thread(rx) => {
+                let rx = rx.clone();
+                match rx.recv_timeout(timeout) {
+                    Ok(ev) => self.handle(ev, out)?,
+                    Err(RecvTimeoutError::Timeout) => return Ok(()),
+                    Err(RecvTimeoutError::Disconnected) => {
+                        return Err(self.lost("completion thread ended"));
+                    }
+                }
+                while let Ok(ev) = rx.try_recv() {
+                    self.handle(ev, out)?;
+                }
+            }
         }
         let ids: Vec<u64> = out[from..].iter().map(Completion::wr_id).collect();
         for id in ids {
@@ -1226,6 +1336,9 @@ impl Connection for TcpConnection {
     }
 
     fn heartbeat(&mut self) -> Result<()> {
+        // Between turns nobody else reads the answers: whether the receiver is alive, its
+        // notices and a failure are learnt here.
+        self.read_answers(Duration::ZERO)?;
         let now = self.started.elapsed();
         let heard = Duration::from_millis(self.heard.load(Ordering::Acquire));
         let interval = super::heartbeat_interval(self.peer_timeout);
@@ -2182,6 +2295,31 @@ mod tests {
             .unwrap();
         let err = poll(conn.as_mut()).expect_err("a cut notice ends the connection");
         assert!(err.contains("notice"), "{err}");
+    }
+
+    /// The sending thread reads the answers itself: a receiver that stops in the middle of one
+    /// and keeps the connection open must not hold it for longer than the peer timeout.
+    #[test]
+    fn a_receiver_stalling_mid_answer_fails_the_connection_within_the_peer_timeout() {
+        let blocks = SendBlocks::new(1, 256);
+        let mut cut = notice(1, 100);
+        cut.truncate(OP_HEADER + 40);
+        let addr = hostile_receiver(cut, false);
+        let mut conn = TcpConnector::new(addr.clone())
+            .with_peer_timeout(Duration::from_millis(300))
+            .connect(&hello(), Some(&key()), &blocks)
+            .unwrap();
+        let t = Instant::now();
+        let err = poll(conn.as_mut()).expect_err("a stalled answer ends the connection");
+        assert!(
+            err.contains("notice") && err.contains(&addr),
+            "the error names the answer and the peer: {err}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(15),
+            "failed only after {:?}",
+            t.elapsed()
+        );
     }
 
     /// A sender whose handshake a listener completed, but whose connection no receiver took
