@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The engine over tcp, before and after, by the CPU and context switches it spends per MB:
+# builds the bench of an older commit (in a throwaway worktree) beside this tree's and runs
+# `bench engine-tcp-place` of each in turn under `perf stat`, so each pair is measured side by
+# side on a noisy host. Prints, per run, MB/s, task-clock ms per MB and context switches per MB
+# (the whole process: both ends of the loopback), then how many pairs "after" did better.
+#   scripts/bench-cpu-ab.sh <commit> [blocks] [pairs] [block bytes]
+#   e.g. scripts/bench-cpu-ab.sh fd1eaf9 64 4
+set -euo pipefail
+cd "$(dirname "$0")/.."
+before=${1:?usage: scripts/bench-cpu-ab.sh <commit> [blocks] [pairs] [block bytes]}
+blocks=${2:-16}
+pairs=${3:-4}
+block=${4:-65536}
+command -v perf >/dev/null || { echo "bench-cpu-ab: needs perf (apt-get install linux-perf)" >&2; exit 2; }
+wt=$(mktemp -d /tmp/rdmastream-before.XXXXXX)
+trap 'git worktree remove --force "$wt" >/dev/null 2>&1 || true' EXIT
+git worktree add -q --detach "$wt" "$before"
+# Its own target directory, kept between runs (a second run of the same commit builds nothing).
+before_target=${TMPDIR:-/tmp}/rdmastream-before-target
+(cd "$wt" && CARGO_TARGET_DIR="$before_target" cargo build --release --quiet -p rdmastream-bench --bin bench)
+cargo build --release --quiet -p rdmastream-bench --bin bench
+mkdir -p target/ab/before target/ab/after
+cp "$before_target/release/bench" target/ab/before/
+cp target/release/bench target/ab/after/
+seconds=3
+results=$(mktemp)
+for _ in $(seq "$pairs"); do
+  for v in before after; do
+    out=$(BENCH_BLOCKS=$blocks perf stat -x, -e task-clock,context-switches \
+      target/ab/$v/bench engine-tcp-place --block "$block" --seconds $seconds 2>&1)
+    mbs=$(grep -o '[0-9.]* MB/s' <<<"$out" | cut -d' ' -f1)
+    tc=$(grep task-clock <<<"$out" | cut -d, -f1)
+    cs=$(grep context-switches <<<"$out" | cut -d, -f1)
+    echo "$v $mbs $tc $cs" >>"$results"
+  done
+done
+python3 - "$results" "$blocks" "$block" "$seconds" <<'PY'
+import sys
+rows = [l.split() for l in open(sys.argv[1])]
+blocks, block, secs = sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+print(f"engine-tcp-place, {block // 1024} KiB blocks, {blocks} receiver blocks, {secs:.0f} s per run")
+print(f"{'':7} {'MB/s':>8} {'cpu ms/MB':>10} {'cs/MB':>7}")
+per = {"before": [], "after": []}
+for v, m, t, c in rows:
+    m, t, c = float(m), float(t), float(c)
+    r = (m, t / (m * secs), c / (m * secs))
+    per[v].append(r)
+    print(f"{v:7} {r[0]:8.1f} {r[1]:10.3f} {r[2]:7.1f}")
+b, a = per["before"], per["after"]
+n = min(len(a), len(b))
+print(f"after better in {sum(a[i][0] > b[i][0] for i in range(n))} of {n} pairs by MB/s, "
+      f"{sum(a[i][1] < b[i][1] for i in range(n))} by CPU per MB, "
+      f"{sum(a[i][2] < b[i][2] for i in range(n))} by context switches per MB")
+PY
+rm -f "$results"
