@@ -662,6 +662,8 @@ pub struct SharedReceiver {
     router: Arc<Router>,
     table: Arc<SenderTable>,
     local_addr: String,
+    /// The transport the listener resolved to (`auto` picks one).
+    transport: &'static str,
     settings: RegionSettings,
     /// `poll_spin` and `poll_max` of the receiver.
     poll: (Duration, Duration),
@@ -731,6 +733,7 @@ impl RouteLease {
                     req.region.clone(),
                     &req.verbs,
                 )?;
+                let transport = inner.transport();
                 let table = Arc::new(SenderTable::default());
                 let router = Arc::new(Router {
                     state: Mutex::new(RouterState::default()),
@@ -760,6 +763,7 @@ impl RouteLease {
                 let shared = Arc::new(SharedReceiver {
                     key: req.key.clone(),
                     local_addr: handle.local_addr().to_string(),
+                    transport,
                     handle: Mutex::new(Some(handle)),
                     router,
                     table,
@@ -789,6 +793,16 @@ impl RouteLease {
     /// Where the shared listener listens.
     pub fn local_addr(&self) -> &str {
         &self.shared.local_addr
+    }
+
+    /// The transport the shared listener runs (tcp, shm or verbs).
+    pub fn transport(&self) -> &'static str {
+        self.shared.transport
+    }
+
+    /// The listener's blocks and block size per sender (the first element's).
+    pub fn region(&self) -> (usize, usize) {
+        (self.shared.settings.blocks, self.shared.settings.block_size)
     }
 
     /// The listener's connections.

@@ -6,6 +6,7 @@ mod sender;
 
 pub use receiver::{
     ReceiverConfig, ReceiverDeviceConfig, ReceiverPlan, SenderKeyConfig, TCP_REGION_BYTES,
+    tcp_region_hint,
 };
 pub use sender::{Device, SenderConfig, SenderDeviceConfig, Source};
 

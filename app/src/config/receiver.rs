@@ -192,22 +192,33 @@ fn file_format(file: &Path, key: &str, s: &str) -> Result<FileFormat, ConfigErro
 /// rate (docs/protocol.md, "How many blocks"; README, Benchmarks, "At 64 KiB, the region's size").
 pub const TCP_REGION_BYTES: usize = 4 << 20;
 
+/// Over tcp, a line for the log when each sender's region (`blocks` × `block_size`) is smaller
+/// than [`TCP_REGION_BYTES`], naming the setting that would reach it (`setting(n)` for `n`
+/// blocks: "`blocks = 64`" in receiver.toml, "blocks=64" on rdmasrc); `None` otherwise. A hint,
+/// not an error: a sender that never streams at full rate does not need more.
+pub fn tcp_region_hint(
+    blocks: usize,
+    block_size: usize,
+    setting: &dyn Fn(usize) -> String,
+) -> Option<String> {
+    let region = blocks.saturating_mul(block_size);
+    if region >= TCP_REGION_BYTES || block_size == 0 {
+        return None;
+    }
+    Some(format!(
+        "each sender's region is {} KiB ({blocks} blocks of {block_size} bytes): over tcp a sender streaming at full rate waits for syncs below 4 MiB; {} would hold that",
+        region >> 10,
+        setting(TCP_REGION_BYTES.div_ceil(block_size))
+    ))
+}
+
 impl ReceiverConfig {
-    /// Over tcp, a line for the log when each sender's region (`blocks` × `block_size`) is smaller
-    /// than [`TCP_REGION_BYTES`], with the `blocks` that would reach it; `None` otherwise. A
-    /// hint, not an error: a sender that never streams at full rate does not need more.
+    /// Over tcp (`tcp`), [`tcp_region_hint`] for this config's `blocks` and `block_size`.
     pub fn tcp_region_hint(&self, tcp: bool) -> Option<String> {
-        let region = self.blocks.saturating_mul(self.block_size);
-        if !tcp || region >= TCP_REGION_BYTES || self.block_size == 0 {
+        if !tcp {
             return None;
         }
-        Some(format!(
-            "each sender's region is {} KiB ({} blocks of {} bytes): over tcp a sender streaming at full rate waits for syncs below 4 MiB; `blocks = {}` would hold that",
-            region >> 10,
-            self.blocks,
-            self.block_size,
-            TCP_REGION_BYTES.div_ceil(self.block_size)
-        ))
+        tcp_region_hint(self.blocks, self.block_size, &|n| format!("`blocks = {n}`"))
     }
 
     /// Parses receiver.toml text (`file` names it in errors).
@@ -521,5 +532,10 @@ mod tests {
             .tcp_region_hint(true)
             .unwrap();
         assert!(odd.contains("`blocks = 42`"), "{odd}");
+        // rdmasrc names its property.
+        let element = tcp_region_hint(16, 65536, &|n| format!("blocks={n}")).unwrap();
+        assert!(element.contains("blocks=64"), "{element}");
+        assert_eq!(tcp_region_hint(16, 1 << 20, &|n| n.to_string()), None);
+        assert_eq!(tcp_region_hint(16, 0, &|n| n.to_string()), None);
     }
 }

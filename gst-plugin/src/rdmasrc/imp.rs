@@ -513,7 +513,7 @@ impl ObjectImpl for RdmaSrc {
                     .build(),
                 glib::ParamSpecUInt::builder("blocks")
                     .nick("Memory blocks")
-                    .blurb("Receiver memory blocks per connected sender (set by the first source sharing the listener)")
+                    .blurb("Receiver memory blocks per connected sender (set by the first source sharing the listener); over tcp give each sender about 4 MiB (blocks x block-size)")
                     .minimum(1)
                     .maximum(65536)
                     .default_value(DEFAULT_BLOCKS)
@@ -882,6 +882,14 @@ impl BaseSrcImpl for RdmaSrc {
             settings.device_id,
             lease.local_addr()
         );
+        if lease.transport() == "tcp" {
+            let (blocks, block_size) = lease.region();
+            if let Some(hint) = rdmastream_app::config::tcp_region_hint(blocks, block_size, &|n| {
+                format!("blocks={n}")
+            }) {
+                gst::info!(CAT, imp = self, "{hint}");
+            }
+        }
         let route = lease.route.clone();
         let senders = lease.senders();
         // Refusals from before this element started were reported by the elements of that time.
