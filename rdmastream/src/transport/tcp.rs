@@ -2145,7 +2145,8 @@ impl Read for Trickle<'_> {
     }
 }
 
-/// Entry points for `fuzz/` (feature `fuzzing`): the tcp NIC's request decoder on raw bytes.
+/// Entry points for `fuzz/` (feature `fuzzing`): the tcp NIC's request decoder and the sender's
+/// reading of the answers, on raw bytes.
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
@@ -2169,6 +2170,91 @@ pub mod fuzzing {
         let mut out = Vec::new();
         let end = serve_requests(&mut r, &mut out, region, Duration::from_secs(1));
         (out, end)
+    }
+
+    /// What [`answers`] made of a receiver's bytes.
+    pub struct Answered {
+        /// Requests reported complete, those whose acknowledgement rode on a later one included.
+        pub completed: usize,
+        /// Notices kept.
+        pub notices: usize,
+        /// Sliding-window ACKs put on the ACK completion queue.
+        pub window_acks: usize,
+        /// Why the connection ended.
+        pub end: String,
+    }
+
+    /// Feeds `input`, at most `chunk` bytes per read, to the sender's side as the receiver's
+    /// answers, as a connection does: `chains` write chains (work requests 0, 1, ...)
+    /// acknowledged on the wire every [`ACK_EVERY`] and asked for by a NOP at the end, then,
+    /// with `read`, a READ of that many bytes; `window`: a sliding-window connection with that
+    /// many ACK receive requests posted. Reads until the connection ends (input always runs
+    /// out).
+    pub fn answers(
+        input: &[u8],
+        chunk: usize,
+        chains: usize,
+        read: Option<usize>,
+        window: Option<usize>,
+    ) -> Answered {
+        let mut acks = WireAcks::default();
+        for id in 0..chains {
+            acks.post(id as u64, true);
+        }
+        if read.is_some() {
+            acks.post(chains as u64, false);
+        }
+        acks.ask();
+        let expected_read = AtomicUsize::new(read.unwrap_or(NO_READ));
+        let heard = AtomicU64::new(0);
+        let notices = NoticeQueue::default();
+        let (ack_tx, ack_rx) = crossbeam_channel::unbounded();
+        let route = window.map(|n| {
+            (
+                ack_tx,
+                Arc::new(AtomicUsize::new(n)),
+                Arc::new(WorkCounter::new(2)),
+            )
+        });
+        let cx = AnswerCtx {
+            peer: "fuzz",
+            expected_read: &expected_read,
+            started: Instant::now(),
+            heard: &heard,
+            notices: &notices,
+            acks: route.as_ref(),
+        };
+        let mut r = BufReader::with_capacity(
+            ANSWER_BUFFER,
+            Trickle {
+                data: input,
+                chunk: chunk.max(1),
+                reads: 0,
+                past_buffer: 0,
+            },
+        );
+        let mut completed = 0;
+        let end = loop {
+            match read_answer(&mut r, &cx) {
+                None => {}
+                Some(Event::Failed(why)) => break why,
+                Some(Event::Done(c)) => {
+                    if let Completion::Read { data, .. } = &c {
+                        assert_eq!(Some(data.len()), read, "a READ response of another length");
+                    }
+                    match acks.answered(c.wr_id(), |_| completed += 1) {
+                        Ok(()) => completed += 1,
+                        Err(e) => break e,
+                    }
+                }
+            }
+        };
+        Answered {
+            completed,
+            notices: notices.take().len(),
+            window_acks: ack_rx.try_iter().count(),
+            end,
+        }
     }
 }
 
