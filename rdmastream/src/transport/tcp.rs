@@ -621,9 +621,8 @@ struct AckRoute {
 }
 
 impl TcpConnector {
-    /// Handshakes and sets up where the receiver's answers are read: the shared part of a
-    /// status-byte connection (the sending thread reads them) and a sliding-window connection
-    /// (`acks` set: a completion thread reads them).
+    /// Handshakes and starts the completion thread: the shared part of a status-byte and a
+    /// sliding-window connection (`acks` set for the latter).
     fn open(
         &self,
         hello: &Hello,
@@ -656,37 +655,25 @@ impl TcpConnector {
             heard.clone(),
             notices.clone(),
         );
-        let (counts, answers) = match acks {
-            Some(route) => {
-                let counts = route.counts.clone();
-                // Bounded: a receiver that floods acknowledgements is read no faster than the
-                // sending thread takes them.
-                let (tx, rx) = crossbeam_channel::bounded(COMPLETION_QUEUE);
-                let acks = (route.acks.0, route.posted, route.counts);
-                spawn(format!("tcp-completions-{peer}"), move || {
-                    completion_reader(
-                        reader,
-                        reader_peer,
-                        tx,
-                        expected,
-                        (started, reader_heard),
-                        reader_notices,
-                        acks,
-                    )
-                })?;
-                (counts, Answers::Thread(rx))
-            }
-            None => {
-                reader
-                    .set_read_timeout(Some(self.peer_timeout))
-                    .map_err(connect_err)?;
-                let answers = Answers::Direct {
-                    r: BufReader::with_capacity(ANSWER_BUFFER, reader),
-                    ready: std::collections::VecDeque::new(),
-                };
-                (Arc::new(WorkCounter::new(1)), answers)
-            }
+        let counts = match &acks {
+            Some(route) => route.counts.clone(),
+            None => Arc::new(WorkCounter::new(1)),
         };
+        let acks = acks.map(|r| (r.acks.0, r.posted, r.counts));
+        // Bounded: a receiver that floods acknowledgements is read no faster than the sending
+        // thread takes them.
+        let (tx, rx) = crossbeam_channel::bounded(COMPLETION_QUEUE);
+        spawn(format!("tcp-completions-{peer}"), move || {
+            completion_reader(
+                reader,
+                reader_peer,
+                tx,
+                expected,
+                (started, reader_heard),
+                reader_notices,
+                acks,
+            )
+        })?;
         // A write that cannot get out for a whole peer timeout (the link is down, the receiver
         // stopped reading) fails the connection instead of blocking the sending thread, so a
         // stop or a reconnect is never held up by a dead link.
@@ -703,7 +690,7 @@ impl TcpConnector {
             pending: Vec::with_capacity(2 * SMALL_WRITE),
             deferred: Vec::with_capacity(MAX_DEFERRED),
             blocks: blocks.clone(),
-            answers,
+            completions: rx,
             expected_read,
             started,
             heard,
@@ -846,9 +833,9 @@ fn read_answer<R: Read>(r: &mut BufReader<R>, cx: &AnswerCtx<'_>) -> Option<Even
     }
 }
 
-/// A sliding-window connection's completion thread: reads the receiver's answers, puts ACKs on
-/// the ACK completion queue (which another thread of the sender waits on) and hands the
-/// completions to the sending thread, until the connection ends.
+/// A connection's completion thread: reads the receiver's answers and hands the completions to
+/// the sending thread (a sliding-window connection's ACKs go on its ACK completion queue, which
+/// another thread of the sender waits on), until the connection ends.
 fn completion_reader(
     stream: TcpStream,
     peer: String,
@@ -856,7 +843,7 @@ fn completion_reader(
     expected_read: Arc<AtomicUsize>,
     (started, heard): (Instant, Arc<AtomicU64>),
     notices: NoticeQueue,
-    acks: (Sender<Immediate>, Arc<AtomicUsize>, Arc<WorkCounter>),
+    acks: Option<(Sender<Immediate>, Arc<AtomicUsize>, Arc<WorkCounter>)>,
 ) {
     let mut r = BufReader::with_capacity(ANSWER_BUFFER, stream);
     let cx = AnswerCtx {
@@ -865,7 +852,7 @@ fn completion_reader(
         started,
         heard: &heard,
         notices: &notices,
-        acks: Some(&acks),
+        acks: acks.as_ref(),
     };
     loop {
         let Some(ev) = read_answer(&mut r, &cx) else {
@@ -881,37 +868,6 @@ fn completion_reader(
 /// Bytes of the receiver's answers read at once.
 const ANSWER_BUFFER: usize = 16 * 1024;
 
-/// Where a connection's answers come from.
-enum Answers {
-    /// A status-byte connection: the sending thread reads them itself when it waits for
-    /// completions (or checks on the receiver between turns), so an ACK costs no thread
-    /// wake-up. The socket's read timeout is the peer timeout: a receiver that stops in the
-    /// middle of an answer fails the connection instead of holding the sending thread.
-    Direct {
-        r: BufReader<TcpStream>,
-        /// Completions read and not handed on yet.
-        ready: std::collections::VecDeque<Completion>,
-    },
-    /// A sliding-window connection: its ACKs must reach the ACK completion queue while the
-    /// sending thread waits elsewhere, so a thread reads them ([`completion_reader`]).
-    Thread(Receiver<Event>),
-}
-
-/// Waits up to `timeout` for `stream` to have something to read (or to be closed).
-fn readable(stream: &TcpStream, timeout: Duration) -> std::io::Result<bool> {
-    use rustix::event::{PollFd, PollFlags, Timespec};
-    let ts = Timespec {
-        tv_sec: timeout.as_secs().min(i64::MAX as u64) as i64,
-        tv_nsec: timeout.subsec_nanos().into(),
-    };
-    let mut fds = [PollFd::new(stream, PollFlags::IN)];
-    match rustix::event::poll(&mut fds, Some(&ts)) {
-        Ok(n) => Ok(n > 0),
-        Err(rustix::io::Errno::INTR) => Ok(false),
-        Err(e) => Err(e.into()),
-    }
-}
-
 /// The sender's end of a TCP-emulated connection.
 pub struct TcpConnection {
     peer: String,
@@ -922,8 +878,8 @@ pub struct TcpConnection {
     /// Send blocks' data that goes out at `pending[at]` on the next flush, in order.
     deferred: Vec<Deferred>,
     blocks: Arc<SendBlocks>,
-    answers: Answers,
-    /// Length of the READ outstanding (`NO_READ`: none), for the answers' check.
+    completions: Receiver<Event>,
+    /// Length of the READ outstanding (`NO_READ`: none), for the completion reader's check.
     expected_read: Arc<AtomicUsize>,
     /// When the receiver was last heard from (ms since `started`), and when the last
     /// heartbeat went out.
@@ -931,7 +887,7 @@ pub struct TcpConnection {
     heard: Arc<AtomicU64>,
     nop_sent: Instant,
     peer_timeout: Duration,
-    /// Notices the receiver sent.
+    /// Notices the completion reader received.
     notices: NoticeQueue,
     /// Work requests posted and completed, and the queue depths used.
     counts: Arc<WorkCounter>,
@@ -947,9 +903,8 @@ pub struct TcpConnection {
 /// the receiver's NIC thread answers requests in order, so one ACK completes the chains posted
 /// before it too, and the sending connection reports each of them complete when it comes (the
 /// sender's machine still sees one completion per chain, in posting order). An ACK is a small
-/// message back through the loopback and a read (and, when the sending thread was waiting for
-/// it, a wake-up); one per block cost about a fifth of the transport's CPU at 64 KiB blocks,
-/// when a completion thread read them and woke the sending thread for each.
+/// message back through the loopback and a wake-up of the completion thread and the sending
+/// thread; one per block cost about a fifth of the transport's CPU at 64 KiB blocks.
 const ACK_EVERY: usize = 4;
 
 /// The signaled requests of a [`TcpConnection`] not yet complete, in posting order, and which of
@@ -1134,53 +1089,15 @@ impl TcpConnection {
 
     fn handle(&mut self, event: Event, out: &mut Vec<Completion>) -> Result<()> {
         match event {
-            Event::Done(c) => self.complete(c, out),
+            Event::Done(c) => {
+                let earlier = |wr_id| out.push(Completion::Write { wr_id });
+                if let Err(e) = self.acks.answered(c.wr_id(), earlier) {
+                    return Err(self.lost(format!("protocol error from {}: {e}", self.peer)));
+                }
+                out.push(c);
+                Ok(())
+            }
             Event::Failed(why) => Err(self.lost(why)),
-        }
-    }
-
-    /// Hands on `c` and the requests whose acknowledgement rode on it.
-    fn complete(&mut self, c: Completion, out: &mut Vec<Completion>) -> Result<()> {
-        let earlier = |wr_id| out.push(Completion::Write { wr_id });
-        if let Err(e) = self.acks.answered(c.wr_id(), earlier) {
-            return Err(self.lost(format!("protocol error from {}: {e}", self.peer)));
-        }
-        out.push(c);
-        Ok(())
-    }
-
-    /// A status-byte connection's sending thread reads the answers that have come, waiting up
-    /// to `timeout` for the first: completions are kept for [`Connection::poll_completions`];
-    /// a failure ends the connection at once.
-    fn read_answers(&mut self, timeout: Duration) -> Result<()> {
-        let Answers::Direct { r, ready } = &mut self.answers else {
-            return Ok(());
-        };
-        if r.buffer().is_empty() {
-            match readable(r.get_ref(), timeout) {
-                Ok(true) => {}
-                Ok(false) => return Ok(()),
-                Err(e) => return Err(self.lost(format!("waiting for the receiver: {e}"))),
-            }
-        }
-        let cx = AnswerCtx {
-            peer: &self.peer,
-            expected_read: &self.expected_read,
-            started: self.started,
-            heard: &self.heard,
-            notices: &self.notices,
-            acks: None,
-        };
-        // Everything the last read brought: no answer waits in the buffer for a later turn.
-        loop {
-            match read_answer(r, &cx) {
-                Some(Event::Done(c)) => ready.push_back(c),
-                Some(Event::Failed(why)) => return Err(self.lost(why)),
-                None => {}
-            }
-            if r.buffer().is_empty() {
-                return Ok(());
-            }
         }
     }
 }
@@ -1298,31 +1215,13 @@ impl Connection for TcpConnection {
         }
         self.flush()?;
         let from = out.len();
-        match &self.answers {
-            Answers::Direct { ready, .. } => {
-                if ready.is_empty() {
-                    self.read_answers(timeout)?;
-                }
-                let Answers::Direct { ready, .. } = &mut self.answers else {
-                    unreachable!("a connection's answers keep their kind")
-                };
-                for c in std::mem::take(ready) {
-                    self.complete(c, out)?;
-                }
-            }
-            Answers::Thread(rx) => {
-                let rx = rx.clone();
-                match rx.recv_timeout(timeout) {
-                    Ok(ev) => self.handle(ev, out)?,
-                    Err(RecvTimeoutError::Timeout) => return Ok(()),
-                    Err(RecvTimeoutError::Disconnected) => {
-                        return Err(self.lost("completion thread ended"));
-                    }
-                }
-                while let Ok(ev) = rx.try_recv() {
-                    self.handle(ev, out)?;
-                }
-            }
+        match self.completions.recv_timeout(timeout) {
+            Ok(ev) => self.handle(ev, out)?,
+            Err(RecvTimeoutError::Timeout) => return Ok(()),
+            Err(RecvTimeoutError::Disconnected) => return Err(self.lost("completion thread ended")),
+        }
+        while let Ok(ev) = self.completions.try_recv() {
+            self.handle(ev, out)?;
         }
         let ids: Vec<u64> = out[from..].iter().map(Completion::wr_id).collect();
         for id in ids {
@@ -1336,9 +1235,6 @@ impl Connection for TcpConnection {
     }
 
     fn heartbeat(&mut self) -> Result<()> {
-        // Between turns nobody else reads the answers: whether the receiver is alive, its
-        // notices and a failure are learnt here.
-        self.read_answers(Duration::ZERO)?;
         let now = self.started.elapsed();
         let heard = Duration::from_millis(self.heard.load(Ordering::Acquire));
         let interval = super::heartbeat_interval(self.peer_timeout);
@@ -2381,31 +2277,6 @@ mod tests {
             .unwrap();
         let err = poll(conn.as_mut()).expect_err("a cut notice ends the connection");
         assert!(err.contains("notice"), "{err}");
-    }
-
-    /// The sending thread reads the answers itself: a receiver that stops in the middle of one
-    /// and keeps the connection open must not hold it for longer than the peer timeout.
-    #[test]
-    fn a_receiver_stalling_mid_answer_fails_the_connection_within_the_peer_timeout() {
-        let blocks = SendBlocks::new(1, 256);
-        let mut cut = notice(1, 100);
-        cut.truncate(OP_HEADER + 40);
-        let addr = hostile_receiver(cut, false);
-        let mut conn = TcpConnector::new(addr.clone())
-            .with_peer_timeout(Duration::from_millis(300))
-            .connect(&hello(), Some(&key()), &blocks)
-            .unwrap();
-        let t = Instant::now();
-        let err = poll(conn.as_mut()).expect_err("a stalled answer ends the connection");
-        assert!(
-            err.contains("notice") && err.contains(&addr),
-            "the error names the answer and the peer: {err}"
-        );
-        assert!(
-            t.elapsed() < Duration::from_secs(15),
-            "failed only after {:?}",
-            t.elapsed()
-        );
     }
 
     /// A sender whose handshake a listener completed, but whose connection no receiver took
