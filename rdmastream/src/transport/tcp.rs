@@ -577,16 +577,13 @@ impl Connector for TcpConnector {
         key: Option<&Key>,
         blocks: &Arc<SendBlocks>,
     ) -> Result<Box<dyn WindowConnection>> {
+        let (acks_tx, acks_rx) = crossbeam_channel::unbounded();
         let route = AckRoute {
             posted: Arc::new(AtomicUsize::new(0)),
             counts: Arc::new(WorkCounter::new(2)),
-            acks: crossbeam_channel::unbounded(),
+            acks: acks_tx,
         };
-        let (posted, counts, acks_rx) = (
-            route.posted.clone(),
-            route.counts.clone(),
-            route.acks.1.clone(),
-        );
+        let (posted, counts) = (route.posted.clone(), route.counts.clone());
         let inner = self.open(hello, key, blocks, Some(route))?;
         if let Err(why) = crate::proto::window::check_ring(inner.layout) {
             return Err(Error::Handshake {
@@ -617,7 +614,8 @@ struct AckRoute {
     posted: Arc<AtomicUsize>,
     /// The sender side's counts (send and ACK completion queues).
     counts: Arc<WorkCounter>,
-    acks: (Sender<Immediate>, Receiver<Immediate>),
+    /// The ACK completion queue ([`TcpAckQueue`] holds its other end).
+    acks: Sender<Immediate>,
 }
 
 impl TcpConnector {
@@ -659,7 +657,6 @@ impl TcpConnector {
             Some(route) => route.counts.clone(),
             None => Arc::new(WorkCounter::new(1)),
         };
-        let acks = acks.map(|r| (r.acks.0, r.posted, r.counts));
         // Bounded: a receiver that floods acknowledgements is read no faster than the sending
         // thread takes them.
         let (tx, rx) = crossbeam_channel::bounded(COMPLETION_QUEUE);
@@ -723,9 +720,8 @@ struct AnswerCtx<'a> {
     started: Instant,
     heard: &'a AtomicU64,
     notices: &'a NoticeQueue,
-    /// A sliding-window connection's ACK route: the ACK completion queue, the receive requests
-    /// posted, the work counts.
-    acks: Option<&'a (Sender<Immediate>, Arc<AtomicUsize>, Arc<WorkCounter>)>,
+    /// A sliding-window connection's ACK route.
+    acks: Option<&'a AckRoute>,
 }
 
 /// Reads one of the receiver's answers. Nothing the receiver says is trusted: a READ response
@@ -784,7 +780,12 @@ fn read_answer<R: Read>(r: &mut BufReader<R>, cx: &AnswerCtx<'_>) -> Option<Even
             None
         }
         OP_SEND => {
-            let Some((acks, posted, counts)) = cx.acks else {
+            let Some(AckRoute {
+                posted,
+                counts,
+                acks,
+            }) = cx.acks
+            else {
                 return fail(format!(
                     "protocol error from {peer}: a SEND on a status-byte connection"
                 ));
@@ -843,7 +844,7 @@ fn completion_reader(
     expected_read: Arc<AtomicUsize>,
     (started, heard): (Instant, Arc<AtomicU64>),
     notices: NoticeQueue,
-    acks: Option<(Sender<Immediate>, Arc<AtomicUsize>, Arc<WorkCounter>)>,
+    acks: Option<AckRoute>,
 ) {
     let mut r = BufReader::with_capacity(ANSWER_BUFFER, stream);
     let cx = AnswerCtx {
@@ -2105,12 +2106,10 @@ pub mod fuzzing {
         let heard = AtomicU64::new(0);
         let notices = NoticeQueue::default();
         let (ack_tx, ack_rx) = crossbeam_channel::unbounded();
-        let route = window.map(|n| {
-            (
-                ack_tx,
-                Arc::new(AtomicUsize::new(n)),
-                Arc::new(WorkCounter::new(2)),
-            )
+        let route = window.map(|n| AckRoute {
+            posted: Arc::new(AtomicUsize::new(n)),
+            counts: Arc::new(WorkCounter::new(2)),
+            acks: ack_tx,
         });
         let cx = AnswerCtx {
             peer: "fuzz",
