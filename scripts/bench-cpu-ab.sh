@@ -13,16 +13,7 @@ blocks=${2:-16}
 pairs=${3:-4}
 block=${4:-65536}
 command -v perf >/dev/null || { echo "bench-cpu-ab: needs perf (apt-get install linux-perf)" >&2; exit 2; }
-wt=$(mktemp -d /tmp/rdmastream-before.XXXXXX)
-trap 'git worktree remove --force "$wt" >/dev/null 2>&1 || true' EXIT
-git worktree add -q --detach "$wt" "$before"
-# Its own target directory, kept between runs (a second run of the same commit builds nothing).
-before_target=${TMPDIR:-/tmp}/rdmastream-before-target
-(cd "$wt" && CARGO_TARGET_DIR="$before_target" cargo build --release --quiet -p rdmastream-bench --bin bench)
-cargo build --release --quiet -p rdmastream-bench --bin bench
-mkdir -p target/ab/before target/ab/after
-cp "$before_target/release/bench" target/ab/before/
-cp target/release/bench target/ab/after/
+scripts/build-before.sh "$before" bench
 seconds=3
 results=$(mktemp)
 for _ in $(seq "$pairs"); do

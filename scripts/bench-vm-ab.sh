@@ -8,17 +8,9 @@ cd "$(dirname "$0")/.."
 before=${1:?usage: scripts/bench-vm-ab.sh <commit>}
 scripts/setup.sh
 scripts/vm.sh prepare
-wt=$(mktemp -d /tmp/rdmastream-before.XXXXXX)
-trap 'git worktree remove --force "$wt" >/dev/null 2>&1 || true' EXIT
-git worktree add -q --detach "$wt" "$before"
-# Its own target directory, kept between runs (a second run of the same commit builds nothing).
-before_target=${TMPDIR:-/tmp}/rdmastream-before-target
-(cd "$wt" && CARGO_TARGET_DIR="$before_target" cargo build --release --quiet -p rdmastream-bench --bins)
-cargo build --release --quiet -p rdmastream-bench --bins
-# The VM has its own /tmp: the binaries go where it sees them (the working tree is shared).
-mkdir -p target/ab/before target/ab/after
-cp "$before_target/release/"{bench,gst-bench} target/ab/before/
-cp target/release/{bench,gst-bench} target/ab/after/
+# The VM has its own /tmp: the binaries go to target/ab/, where it sees them (the working tree
+# is shared).
+scripts/build-before.sh "$before" bench gst-bench
 cat > target/ab/run.sh <<'INNER'
 for v in before after before after; do
   echo "=== $v: bench verbs"
