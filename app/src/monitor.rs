@@ -105,9 +105,6 @@ struct Device {
     /// Latency since the last tick, and over the run.
     window: Histogram,
     total: Histogram,
-    /// When it was active: from the tick before its first frame to the last tick that saw a
-    /// new frame (the table's rates are over this time).
-    active: Option<(Instant, Instant)>,
 }
 
 struct State {
@@ -200,12 +197,11 @@ impl Monitor {
                 last: (0, 0, 0),
                 window: Histogram::default(),
                 total: Histogram::default(),
-                active: None,
             });
         }
         let mut rows = Vec::with_capacity(s.devices.len());
         let mut window = Histogram::default();
-        let (previous, now_t) = (s.last_tick, Instant::now());
+        let now_t = Instant::now();
         for (key, d) in s.devices.iter_mut() {
             d.take_latency();
             let c = &d.counters;
@@ -234,9 +230,6 @@ impl Monitor {
             });
             window.merge(&d.window);
             d.window = Histogram::default();
-            if now.0 > d.last.0 {
-                d.active = Some((d.active.map_or(previous, |a| a.0), now_t));
-            }
             d.last = now;
         }
         s.rows = rows;
@@ -289,8 +282,9 @@ impl Monitor {
         status_line(self.role, &s.rows, &s.window, &s.engine, self.ready())
     }
 
-    /// The per-device table: counts, rates and latency over the run so far (rates over the
-    /// time each device was active). One line per device, with a header.
+    /// The per-device table: counts, rates and latency over the run so far (rates from each
+    /// device's first frame to its last, `-` before its second). One line per device, with a
+    /// header.
     pub fn table(&self) -> String {
         let s = self.state.lock();
         let mut out = format!(
@@ -303,17 +297,17 @@ impl Monitor {
                     .quantile(q)
                     .map_or("-".to_string(), |l| format!("{:.2}", l.as_secs_f64() * 1e3))
             };
-            let secs = d
-                .active
-                .map_or(0.0, |(from, to)| (to - from).as_secs_f64())
-                .max(1e-9);
+            let (fps, mbps) = match d.counters.span().and_then(|s| s.rates()) {
+                Some((fps, bps)) => (format!("{fps:.1}"), format!("{:.1}", bps / 1e6)),
+                None => ("-".to_string(), "-".to_string()),
+            };
             out.push_str(&format!(
-                "{:<24} {:>9} {:>10.1} {:>7.1} {:>7.1} {:>7} {:>7} {:>8} {:>8}{}\n",
+                "{:<24} {:>9} {:>10.1} {:>7} {:>7} {:>7} {:>7} {:>8} {:>8}{}\n",
                 truncate(&key_text(self.role, &row.sender, row.device), 24),
                 row.frames,
                 row.bytes as f64 / 1e6,
-                row.frames as f64 / secs,
-                row.bytes as f64 / 1e6 / secs,
+                fps,
+                mbps,
                 row.drops,
                 row.gaps,
                 ms(0.5),
@@ -442,6 +436,7 @@ fn status_line(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rdmastream::stats::FrameSpan;
 
     fn key(sender: &str, device: u8) -> StreamKey {
         StreamKey {
@@ -547,5 +542,27 @@ mod tests {
             table.lines().nth(1).unwrap().starts_with("a/d000 "),
             "{table}"
         );
+        // Rates over the device's own frames, not the ticks: device 1, with none, has none.
+        let cols: Vec<&str> = table.lines().nth(2).unwrap().split_whitespace().collect();
+        assert_eq!(&cols[..5], ["a/d001", "0", "0.0", "-", "-"], "{table}");
+    }
+
+    #[test]
+    fn the_tables_rates_run_from_a_devices_first_frame_to_its_last() {
+        let first = Instant::now();
+        let span = |frames, secs: f64| FrameSpan {
+            first,
+            last: first + Duration::from_secs_f64(secs),
+            frames,
+            bytes: frames * 1_000_000,
+        };
+        // 81 radar frames at 20 fps span 4 s, whichever status ticks they fall between.
+        let (fps, bps) = span(81, 4.0).rates().unwrap();
+        assert!(
+            (fps - 20.0).abs() < 1e-9 && (bps - 20e6).abs() < 1e-3,
+            "{fps} {bps}"
+        );
+        assert_eq!(span(1, 0.0).rates(), None, "one frame has no rate");
+        assert_eq!(span(5, 0.0).rates(), None, "nor frames at one instant");
     }
 }

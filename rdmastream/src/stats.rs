@@ -141,9 +141,41 @@ pub struct DeviceCounters {
     /// Set when the device is lossless (`block`).
     pub reliable: AtomicU64,
     latency: Mutex<Histogram>,
-    /// Frames handed on or dropped so far, for [`DeviceCounters::wait_progress`].
-    progress: Mutex<u64>,
+    /// Frames handed on or dropped so far, for [`DeviceCounters::wait_progress`], and when
+    /// frames were handed on.
+    progress: Mutex<Progress>,
     progressed: Condvar,
+}
+
+#[derive(Default)]
+struct Progress {
+    /// Frames handed on or dropped.
+    count: u64,
+    span: Option<FrameSpan>,
+}
+
+/// When a device handed frames on: the first and the last, and how many in between (both
+/// counted), for rates over the time a device was active rather than over status ticks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FrameSpan {
+    pub first: std::time::Instant,
+    pub last: std::time::Instant,
+    pub frames: u64,
+    pub bytes: u64,
+}
+
+impl FrameSpan {
+    /// Frames per second and bytes per second from the first frame to the last (`None` before
+    /// a second frame, or if both came at the same instant).
+    pub fn rates(&self) -> Option<(f64, f64)> {
+        let secs = (self.last - self.first).as_secs_f64();
+        if self.frames < 2 || secs <= 0.0 {
+            return None;
+        }
+        // n frames span n - 1 periods; so do all their bytes but one frame's, on average.
+        let fps = (self.frames - 1) as f64 / secs;
+        Some((fps, fps * self.bytes as f64 / self.frames as f64))
+    }
 }
 
 impl DeviceCounters {
@@ -154,7 +186,20 @@ impl DeviceCounters {
         if let Some(l) = latency {
             self.latency.lock().record(l);
         }
-        self.note_progress();
+        let now = std::time::Instant::now();
+        let mut p = self.progress.lock();
+        p.count += 1;
+        let span = p.span.get_or_insert(FrameSpan {
+            first: now,
+            last: now,
+            frames: 0,
+            bytes: 0,
+        });
+        span.last = now;
+        span.frames += 1;
+        span.bytes += bytes as u64;
+        drop(p);
+        self.progressed.notify_all();
     }
 
     /// Records a dropped frame.
@@ -164,13 +209,18 @@ impl DeviceCounters {
     }
 
     fn note_progress(&self) {
-        *self.progress.lock() += 1;
+        self.progress.lock().count += 1;
         self.progressed.notify_all();
     }
 
     /// How many frames were handed on or dropped so far (a value for `wait_progress`).
     pub fn progress(&self) -> u64 {
-        *self.progress.lock()
+        self.progress.lock().count
+    }
+
+    /// When this device handed frames on, first to last (`None` before the first).
+    pub fn span(&self) -> Option<FrameSpan> {
+        self.progress.lock().span
     }
 
     /// Waits until a frame is handed on or dropped after `seen` (a value of `progress` read
@@ -178,10 +228,10 @@ impl DeviceCounters {
     /// the progress now. Lets a producer wait for room without polling.
     pub fn wait_progress(&self, seen: u64, timeout: Duration) -> u64 {
         let mut p = self.progress.lock();
-        if *p == seen {
+        if p.count == seen {
             self.progressed.wait_for(&mut p, timeout);
         }
-        *p
+        p.count
     }
 
     /// Takes the latency samples gathered since the last call.
