@@ -517,6 +517,19 @@ fn bad_config_names_file_key_and_reason() {
             "{flags:?}: {err:?} should blame {flag}, not the file"
         );
     }
+    // A receiver address that can never work is refused at start, not retried forever.
+    for (addr, why) in [("nohost:99999", "port"), ("10.0.0.2", "no port")] {
+        let out = std::process::Command::new(bin("sender"))
+            .args(["--receiver", addr, "--duration", "1"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--receiver {addr}: {err}");
+        assert!(
+            err.contains("--receiver: ") && err.contains(why),
+            "--receiver {addr}: {err:?} should blame --receiver and say why"
+        );
+    }
 }
 
 /// With no receiver, a sender asked to stop still stops (bounded flush) and says why it failed,

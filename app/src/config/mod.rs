@@ -44,19 +44,46 @@ pub(crate) fn check_transport(
         ("shm", None) => Err((
             "transport",
             format!(
-                "shm (sender and receiver on one host) needs a unix:/path address, and                  {addr_key} is {addr:?}"
+                "shm (sender and receiver on one host) needs a unix:/path address, and \
+                 {addr_key} is {addr:?}"
             ),
         )),
         ("tcp" | "verbs", Some(_)) => Err((
             "transport",
             format!(
-                "{transport} cannot use the Unix socket address {addr:?} ({addr_key}): set                  transport = \"shm\" (or \"auto\"), or use a host:port address"
+                "{transport} cannot use the Unix socket address {addr:?} ({addr_key}): set \
+                 transport = \"shm\" (or \"auto\"), or use a host:port address"
             ),
         )),
-        ("auto" | "tcp" | "verbs", None) => Ok(()),
+        ("auto" | "tcp" | "verbs", None) => check_host_port(addr).map_err(|why| (addr_key, why)),
         (other, _) => Err((
             "transport",
             format!("{other:?} is not one of auto, tcp, verbs, shm"),
+        )),
+    }
+}
+
+/// Checks that `addr` has the form `host:port` (a name, an IPv4 address or a bracketed IPv6
+/// one, and a port 1–65535), so a typo is a config error at start rather than a connection
+/// retried forever. Whether the name resolves is left to the connection: a receiver's name
+/// may appear later (a Kubernetes service, for one).
+fn check_host_port(addr: &str) -> Result<(), String> {
+    let form = "host:port, or unix:/path for shm";
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(format!("{addr:?} has no port ({form})"));
+    };
+    if host.is_empty() || host.trim() != host {
+        return Err(format!("{addr:?} has no host ({form})"));
+    }
+    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+        return Err(format!(
+            "{addr:?}: an IPv6 address goes in brackets, e.g. [::1]:7471"
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(()),
+        _ => Err(format!(
+            "{addr:?}: port {port:?} is not a number in 1-65535 ({form})"
         )),
     }
 }
@@ -180,6 +207,52 @@ mod shipped_tests {
             panic!("an unknown transport is accepted")
         };
         assert!(e.reason.contains("auto, tcp, verbs, shm"), "{e}");
+        // Each reason reads as one sentence (no line break's indentation inside it).
+        let Err(e) = sender("unix:/run/rx.sock", "tcp") else {
+            panic!("tcp to a unix: address is accepted")
+        };
+        assert!(!e.reason.contains("  "), "{e}");
+        let Err(e) = sender("127.0.0.1:1", "shm") else {
+            panic!("shm to host:port is accepted")
+        };
+        assert!(!e.reason.contains("  "), "{e}");
+    }
+
+    /// A receiver address with a bad port is a config error naming the key, not a connection
+    /// retried forever; a name that may resolve later is left to the connection.
+    #[test]
+    fn a_host_port_address_is_checked() {
+        let file = Path::new("s.toml");
+        let sender = |receiver: &str| {
+            let text = format!(
+                "name = \"a\"\nreceiver = \"{receiver}\"\n\
+                 [[device]]\nid = 0\nsource = \"radar-synthetic\"\n"
+            );
+            SenderConfig::parse(&text, file).unwrap().validate(file)
+        };
+        for ok in ["10.0.0.2:7471", "edge-2.local:7471", "[::1]:7471", "rx:1"] {
+            assert!(sender(ok).is_ok(), "{ok} is refused");
+        }
+        for (bad, why) in [
+            ("nohost:99999", "port"),
+            ("10.0.0.2", "no port"),
+            ("10.0.0.2:", "port"),
+            (":7471", "no host"),
+            ("::1:7471", "brackets"),
+            ("rx:0", "port"),
+            ("rx:http", "port"),
+        ] {
+            let Err(e) = sender(bad) else {
+                panic!("{bad} is accepted")
+            };
+            assert!(e.key == "receiver" && e.reason.contains(why), "{bad}: {e}");
+        }
+        let listen = "listen = \"0.0.0.0:70000\"";
+        let e = ReceiverConfig::parse(listen, file)
+            .unwrap()
+            .validate(file)
+            .unwrap_err();
+        assert!(e.key == "listen" && e.reason.contains("70000"), "{e}");
     }
 
     /// `mechanism` is one of the two, and a sliding-window receiver's ring must fit the

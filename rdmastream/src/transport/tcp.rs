@@ -304,7 +304,8 @@ pub fn client_handshake_on<S: SideStream>(
         }
         (AuthKind::None, Some(_)) => {
             return Err(auth_err(format!(
-                "the receiver does not authenticate (it has no key for sender '{}'), so it                  cannot prove it is the receiver this sender's key is for; refusing to stream to it",
+                "the receiver does not authenticate (it has no key for sender '{}'), so it \
+                 cannot prove it is the receiver this sender's key is for; refusing to stream to it",
                 hello.sender
             )));
         }
