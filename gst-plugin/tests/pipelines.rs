@@ -242,6 +242,32 @@ fn raw_video_written_in_place_into_send_blocks_arrives_byte_exact() {
     assert!(!log.contains("frames sent copied"), "log:\n{log}");
 }
 
+/// `reconnect-timeout` when upstream draws into the sink's pool: with no receiver nothing is
+/// sent, so every send block stays taken and videotestsrc waits in the pool for one, not in
+/// `render`. The pool runs the sink's link check while it waits, so the pipeline still fails
+/// with the timeout's error instead of waiting for ever (it did, before the check).
+#[test]
+fn a_sink_whose_pool_is_full_still_gives_up_after_its_reconnect_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port(); // nothing listens here
+    let log = Launch::start(
+        dir.path(),
+        "sender",
+        &format!(
+            "videotestsrc ! {RGB_VGA} ! rdmasink port={port} device-id=5 reconnect-timeout=500"
+        ),
+    )
+    .failure();
+    assert!(
+        log.contains("frames sent in place"),
+        "videotestsrc did not draw into the pool; log:\n{log}"
+    );
+    assert!(
+        log.contains("reconnect-timeout=500") && log.contains("giving up"),
+        "the error does not name the timeout; log:\n{log}"
+    );
+}
+
 /// The same stream over the shm transport: `rdmasrc` listens on a Unix socket and `rdmasink`
 /// (transport auto) connects to it and writes every block into the receiver's shared memory.
 /// With `poll-spin=0` the receiver's polling thread sleeps (at most `poll-max`, 50 µs) as soon as

@@ -985,9 +985,14 @@ impl BaseSinkImpl for RdmaSink {
             && !self.obj().enables_last_sample()
             && s.lease.in_place_blocks() > 0
         {
+            let element = self.obj().downgrade();
+            let check: super::pool::LinkCheck = Box::new(move || match element.upgrade() {
+                Some(sink) => Ok(sink.imp().check_link()?),
+                None => Err(gst::FlowError::Flushing),
+            });
             let pool = s
                 .pool
-                .get_or_insert_with(|| super::pool::BlockPool::new(s.lease.clone()));
+                .get_or_insert_with(|| super::pool::BlockPool::new(s.lease.clone(), check));
             query.add_allocation_pool(Some(pool), 0, 0, 0);
             gst::debug!(CAT, imp = self, "proposing the send-block pool");
         }

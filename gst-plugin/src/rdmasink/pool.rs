@@ -88,9 +88,15 @@ impl Drop for BlockMemory {
     }
 }
 
+/// The element's check of its link, run while a buffer waits for a free send block: it posts
+/// the element's error (an unreachable receiver past `reconnect-timeout`, a refusal) and says
+/// whether to go on.
+pub type LinkCheck = Box<dyn Fn() -> Result<(), gst::FlowError> + Send + Sync>;
+
 #[derive(Default)]
 pub struct BlockPoolImp {
     lease: Mutex<Option<Arc<DeviceLease>>>,
+    check: Mutex<Option<Arc<LinkCheck>>>,
     outstanding: Arc<Outstanding>,
     flushing: AtomicBool,
 }
@@ -142,7 +148,15 @@ impl BufferPoolImpl for BlockPoolImp {
                     buffer.get_mut().expect("new buffer").append_memory(memory);
                     return Ok(buffer);
                 }
-                Err(NotReserved::TimedOut) => continue,
+                // No block came free: the receiver may be gone for good (every block then
+                // waits for it), which only the element's check notices; without it upstream
+                // would wait here for ever and `reconnect-timeout` never fire.
+                Err(NotReserved::TimedOut) => {
+                    let check = self.check.lock().unwrap().clone();
+                    if let Some(check) = check {
+                        check()?;
+                    }
+                }
                 Err(NotReserved::Stopped) => return Err(gst::FlowError::Flushing),
                 // Too large for one block, or no in-place blocks: an ordinary buffer,
                 // which `render` copies.
@@ -180,10 +194,12 @@ glib::wrapper! {
 }
 
 impl BlockPool {
-    /// A pool reserving blocks on `lease`'s device.
-    pub fn new(lease: Arc<DeviceLease>) -> BlockPool {
+    /// A pool reserving blocks on `lease`'s device; `check` runs whenever a buffer has waited
+    /// 100 ms for a block, and its error ends the wait.
+    pub fn new(lease: Arc<DeviceLease>, check: LinkCheck) -> BlockPool {
         let pool: BlockPool = glib::Object::new();
         *pool.imp().lease.lock().unwrap() = Some(lease);
+        *pool.imp().check.lock().unwrap() = Some(Arc::new(check));
         pool
     }
 
@@ -196,5 +212,6 @@ impl BlockPool {
     /// buffers).
     pub fn detach(&self) {
         self.imp().lease.lock().unwrap().take();
+        self.imp().check.lock().unwrap().take();
     }
 }
