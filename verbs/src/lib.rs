@@ -84,6 +84,12 @@ fn rdma_err(op: impl Into<String>, cause: ibv::VerbsError) -> Error {
 /// says in one log line why it falls back to tcp; `verbs` without a usable device is an error
 /// naming what was looked for.
 pub fn choose(transport: &str, addr: &str, verbs: &VerbsSettings) -> Result<Kind> {
+    if addr.strip_prefix(shm::SCHEME) == Some("") {
+        return Err(Error::Invalid {
+            key: "address".into(),
+            reason: format!("{addr:?} names no socket path (unix:/path/of/the/socket)"),
+        });
+    }
     let unix = shm::socket_path(addr).is_some();
     match (transport, unix) {
         ("shm" | "auto", true) => {

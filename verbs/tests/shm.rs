@@ -380,6 +380,11 @@ fn unix_addresses_pick_shm_and_other_transports_refuse_them() {
         .to_string();
     assert!(e.contains("transport = \"shm\""), "{e}");
     assert!(ShmConnector::new("127.0.0.1:5").is_err());
+    // "unix:" alone is a mistake on every transport, not a tcp host to retry for ever.
+    for transport in ["auto", "shm", "tcp"] {
+        let e = choose(transport, "unix:", &v).unwrap_err().to_string();
+        assert!(e.contains("no socket path"), "{transport}: {e}");
+    }
 }
 
 #[test]
