@@ -37,5 +37,6 @@ pub const TEST_KEY: &str = "test-key-0123456789abcdef";
 
 /// `Some(TEST_KEY)` when [`host`] is not loopback.
 pub fn key() -> Option<&'static str> {
-    (!rdmastream_app::cli::is_loopback(&host())).then_some(TEST_KEY)
+    // is_loopback takes host:port, as the elements pass it.
+    (!rdmastream_app::cli::is_loopback(&format!("{}:1", host()))).then_some(TEST_KEY)
 }

@@ -32,7 +32,8 @@ pub const TEST_KEY: &str = "test-key-0123456789abcdef";
 impl It {
     /// A `key = ...` line for a config file when the host is not loopback, else nothing.
     pub fn key_line(&self, already: &str) -> String {
-        if rdmastream_app::cli::is_loopback(&self.host) || already.contains("key =") {
+        // is_loopback takes host:port (or unix:/path), as the binaries pass it.
+        if rdmastream_app::cli::is_loopback(&self.addr(1)) || already.contains("key =") {
             String::new()
         } else {
             format!("key = \"{TEST_KEY}\"\n")
