@@ -980,6 +980,18 @@ impl WireAcks {
         }
         Ok(())
     }
+
+    /// The completions an answer `c` brings, in order, onto `out`: the requests posted before
+    /// it that rode on it ([`WireAcks::answered`]), then `c` itself.
+    fn complete(
+        &mut self,
+        c: Completion,
+        out: &mut Vec<Completion>,
+    ) -> std::result::Result<(), String> {
+        self.answered(c.wr_id(), |wr_id| out.push(Completion::Write { wr_id }))?;
+        out.push(c);
+        Ok(())
+    }
 }
 
 impl TcpConnection {
@@ -1091,14 +1103,10 @@ impl TcpConnection {
 
     fn handle(&mut self, event: Event, out: &mut Vec<Completion>) -> Result<()> {
         match event {
-            Event::Done(c) => {
-                let earlier = |wr_id| out.push(Completion::Write { wr_id });
-                if let Err(e) = self.acks.answered(c.wr_id(), earlier) {
-                    return Err(self.lost(format!("protocol error from {}: {e}", self.peer)));
-                }
-                out.push(c);
-                Ok(())
-            }
+            Event::Done(c) => self
+                .acks
+                .complete(c, out)
+                .map_err(|e| self.lost(format!("protocol error from {}: {e}", self.peer))),
             Event::Failed(why) => Err(self.lost(why)),
         }
     }
@@ -2138,8 +2146,10 @@ pub mod fuzzing {
                     if let Completion::Read { data, .. } = &c {
                         assert_eq!(Some(data.len()), read, "a READ response of another length");
                     }
-                    match acks.answered(c.wr_id(), |_| completed += 1) {
-                        Ok(()) => completed += 1,
+                    // As the connection does (`TcpConnection::handle`).
+                    let mut out = Vec::new();
+                    match acks.complete(c, &mut out) {
+                        Ok(()) => completed += out.len(),
                         Err(e) => break e,
                     }
                 }
