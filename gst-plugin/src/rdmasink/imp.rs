@@ -985,14 +985,15 @@ impl BaseSinkImpl for RdmaSink {
             && !self.obj().enables_last_sample()
             && s.lease.in_place_blocks() > 0
         {
-            let element = self.obj().downgrade();
-            let check: super::pool::LinkCheck = Box::new(move || match element.upgrade() {
-                Some(sink) => Ok(sink.imp().check_link()?),
-                None => Err(gst::FlowError::Flushing),
+            let pool = s.pool.get_or_insert_with(|| {
+                let element = self.obj().downgrade();
+                let check: super::pool::LinkCheck =
+                    std::sync::Arc::new(move || match element.upgrade() {
+                        Some(sink) => Ok(sink.imp().check_link()?),
+                        None => Err(gst::FlowError::Flushing),
+                    });
+                super::pool::BlockPool::new(s.lease.clone(), check)
             });
-            let pool = s
-                .pool
-                .get_or_insert_with(|| super::pool::BlockPool::new(s.lease.clone(), check));
             query.add_allocation_pool(Some(pool), 0, 0, 0);
             gst::debug!(CAT, imp = self, "proposing the send-block pool");
         }

@@ -91,12 +91,12 @@ impl Drop for BlockMemory {
 /// The element's check of its link, run while a buffer waits for a free send block: it posts
 /// the element's error (an unreachable receiver past `reconnect-timeout`, a refusal) and says
 /// whether to go on.
-pub type LinkCheck = Box<dyn Fn() -> Result<(), gst::FlowError> + Send + Sync>;
+pub type LinkCheck = Arc<dyn Fn() -> Result<(), gst::FlowError> + Send + Sync>;
 
 #[derive(Default)]
 pub struct BlockPoolImp {
     lease: Mutex<Option<Arc<DeviceLease>>>,
-    check: Mutex<Option<Arc<LinkCheck>>>,
+    check: Mutex<Option<LinkCheck>>,
     outstanding: Arc<Outstanding>,
     flushing: AtomicBool,
 }
@@ -199,7 +199,7 @@ impl BlockPool {
     pub fn new(lease: Arc<DeviceLease>, check: LinkCheck) -> BlockPool {
         let pool: BlockPool = glib::Object::new();
         *pool.imp().lease.lock().unwrap() = Some(lease);
-        *pool.imp().check.lock().unwrap() = Some(Arc::new(check));
+        *pool.imp().check.lock().unwrap() = Some(check);
         pool
     }
 
