@@ -319,6 +319,37 @@ pub fn read_key_file(path: &Path) -> Result<rdmastream::proto::handshake::Key, S
     Key::new(text.trim_ascii().to_vec()).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// Splits a `host:port` address into its host (an IPv6 address without its brackets) and its
+/// port, or says, in a phrase the caller puts after the address, what is wrong with it. Both the
+/// binaries' config check and the elements' `rdma://HOST:PORT` URIs use it, so the two accept
+/// the same addresses: a name, an IPv4 address or a bracketed IPv6 one (RFC 3986), and a port
+/// 1–65535. Whether a name resolves is left to the connection.
+pub fn split_host_port(addr: &str) -> Result<(&str, u16), String> {
+    let (host, port) = if let Some(v6) = addr.strip_prefix('[') {
+        let (host, after) = v6
+            .split_once(']')
+            .ok_or("an IPv6 address needs its closing ]")?;
+        let port = after.strip_prefix(':').ok_or("no port after the address")?;
+        (host, port)
+    } else {
+        let (host, port) = addr.rsplit_once(':').ok_or("no port")?;
+        if host.contains(':') {
+            return Err("an IPv6 address goes in brackets, e.g. [::1]:7471".into());
+        }
+        (host, port)
+    };
+    if host.is_empty() {
+        return Err("no host".into());
+    }
+    if host.trim() != host || host.contains(['[', ']', '/', '?', '#', '@']) {
+        return Err(format!("the host {host:?} is not a name or an address"));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok((host, p)),
+        _ => Err(format!("port {port:?} is not a number in 1-65535")),
+    }
+}
+
 /// The socket path of a `unix:/path` address (the shm transport), or `None` for any other.
 pub fn unix_socket(addr: &str) -> Option<&std::path::Path> {
     addr.strip_prefix("unix:").map(std::path::Path::new)

@@ -68,27 +68,8 @@ pub fn parse(uri: &str) -> Result<RdmaUri, glib::Error> {
         .ok_or_else(|| bad(uri, "not an rdma:// or rdma+unix:// URI"))?;
     let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
     let authority = authority.trim_end_matches('/');
-    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
-        let (host, after) = v6
-            .split_once(']')
-            .ok_or_else(|| bad(uri, "an IPv6 address needs its closing ]"))?;
-        let port = after
-            .strip_prefix(':')
-            .ok_or_else(|| bad(uri, "no :PORT after the address"))?;
-        (host, port)
-    } else {
-        authority
-            .rsplit_once(':')
-            .ok_or_else(|| bad(uri, "no :PORT after the host"))?
-    };
-    if host.is_empty() {
-        return Err(bad(uri, "no host"));
-    }
-    let port: u16 = port
-        .parse()
-        .ok()
-        .filter(|p| *p > 0)
-        .ok_or_else(|| bad(uri, format!("port {port:?} is not in 1..=65535")))?;
+    let (host, port) =
+        rdmastream_app::cli::split_host_port(authority).map_err(|why| bad(uri, why))?;
     Ok(RdmaUri {
         host: host.to_string(),
         port: Some(port),
@@ -187,10 +168,14 @@ mod tests {
         );
         for (bad, why) in [
             ("http://x:1", "not an rdma"),
-            ("rdma://x", "no :PORT"),
-            ("rdma://x:0", "not in 1..=65535"),
-            ("rdma://x:70000", "not in 1..=65535"),
+            ("rdma://x", "no port"),
+            ("rdma://x:0", "not a number in 1-65535"),
+            ("rdma://x:70000", "not a number in 1-65535"),
             ("rdma://:5", "no host"),
+            ("rdma://::1:5", "brackets"),
+            ("rdma://[::1:5", "closing ]"),
+            ("rdma://[::1]5", "no port after"),
+            ("rdma://user@x:5", "not a name or an address"),
             ("rdma://x:5?device-id", "not key=value"),
             ("rdma+unix://relative.sock", "must be absolute"),
             ("rdma+unix:///s?x", "not key=value"),

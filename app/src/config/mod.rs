@@ -63,29 +63,14 @@ pub(crate) fn check_transport(
     }
 }
 
-/// Checks that `addr` has the form `host:port` (a name, an IPv4 address or a bracketed IPv6
-/// one, and a port 1–65535), so a typo is a config error at start rather than a connection
-/// retried forever. Whether the name resolves is left to the connection: a receiver's name
-/// may appear later (a Kubernetes service, for one).
+/// Checks that `addr` has the form `host:port` ([`crate::cli::split_host_port`]), so a typo is
+/// a config error at start rather than a connection retried forever. Whether the name resolves
+/// is left to the connection: a receiver's name may appear later (a Kubernetes service, for
+/// one).
 fn check_host_port(addr: &str) -> Result<(), String> {
-    let form = "host:port, or unix:/path for shm";
-    let Some((host, port)) = addr.rsplit_once(':') else {
-        return Err(format!("{addr:?} has no port ({form})"));
-    };
-    if host.is_empty() || host.trim() != host {
-        return Err(format!("{addr:?} has no host ({form})"));
-    }
-    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
-        return Err(format!(
-            "{addr:?}: an IPv6 address goes in brackets, e.g. [::1]:7471"
-        ));
-    }
-    match port.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(()),
-        _ => Err(format!(
-            "{addr:?}: port {port:?} is not a number in 1-65535 ({form})"
-        )),
-    }
+    crate::cli::split_host_port(addr)
+        .map(|_| ())
+        .map_err(|why| format!("{addr:?}: {why} (host:port, or unix:/path for shm)"))
 }
 
 /// Checks the `mechanism` key (either runs over every transport); returns whether it is the
