@@ -659,6 +659,82 @@ fn a_sink_holding_every_frame_does_not_starve_the_sender() {
     receiver.stop();
 }
 
+/// Over shm, a receiver whose sender's memory share is taken by frames a sink holds waits for
+/// memory without spinning: the block that waits is FULL already, so the doorbell's wait would
+/// return at once (it did, and the polling thread took a whole core behind a slow downstream).
+/// It sleeps as over tcp instead: a few thousand polls a second at most, however slow the host.
+#[test]
+fn a_shm_receiver_waiting_for_memory_does_not_spin() {
+    #[derive(Default)]
+    struct Hoard(std::sync::Mutex<Vec<rdmastream::bytes::Bytes>>);
+    impl rdmastream::engine::FrameSink for Hoard {
+        fn handle(
+            &self,
+            _: &rdmastream::engine::StreamKey,
+            _: u64,
+            _: &Arc<rdmastream::stats::DeviceCounters>,
+            event: rdmastream::proto::StreamEvent,
+        ) {
+            rdmastream::proto::ack::settle(event.ack());
+            if let rdmastream::proto::StreamEvent::Frame(f) = event {
+                self.0.lock().unwrap().push(f.data);
+            }
+        }
+    }
+    // Two blocks may stay retained (half the region); after that payloads are copied into a
+    // share of 8 KiB, which eight 1000-byte frames fill.
+    let mut small_share = settings(4, 4096, vec![]);
+    small_share.reassembly = 8192;
+    let (_dir, listener, connector) = shm_endpoints(small_share);
+    let sink = Arc::new(Hoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone()).unwrap();
+    let opts = SenderOptions {
+        name: "slow-downstream".into(),
+        key: Some(key()),
+        send_blocks: 2,
+        block_size: 4096,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, connector, 4).unwrap();
+    let _t = stream_frames(
+        &s,
+        0,
+        SourceKind::RadarSynthetic {
+            size: 1000,
+            rate: 2000.0,
+        },
+        40,
+    );
+    // Stuck: nothing more arrives for half a second.
+    let mut last = (u64::MAX, std::time::Instant::now());
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            let now = receiver.blocks();
+            if now != last.0 {
+                last = (now, std::time::Instant::now());
+            }
+            last.1.elapsed() > Duration::from_millis(500)
+        }),
+        "the receiver never stopped taking blocks"
+    );
+    let held = sink.0.lock().unwrap().len();
+    assert!(
+        held < 40,
+        "every frame was taken ({held}): the share never ran out"
+    );
+    let (polls, t0) = (receiver.idle_polls(), std::time::Instant::now());
+    std::thread::sleep(Duration::from_millis(300));
+    let (polls, waited) = (receiver.idle_polls() - polls, t0.elapsed());
+    // At most one look per 100 µs of the time waited (it sleeps 500 µs between looks).
+    let bound = waited.as_micros() as u64 / 100;
+    assert!(
+        polls <= bound,
+        "{polls} polls in {waited:?} waiting for memory (at most {bound}): the polling thread spins"
+    );
+    receiver.stop();
+}
+
 /// Records every event per stream, in order: sender, device, what ("format", "frame i",
 /// "end") and its detail (the format's descriptor, the frame's [`digest`]).
 #[derive(Default)]

@@ -608,7 +608,7 @@ impl ObjectImpl for RdmaSrc {
                     .build(),
                 glib::ParamSpecUInt::builder("poll-max")
                     .nick("Poll max")
-                    .blurb("Longest sleep in microseconds between two scans of the status bytes when no block arrives (the sleep starts at 20 us, or this if lower, and doubles up to this): the latency a frame of a slow stream can wait to be seen, against the wake-ups of an idle receiver (over shm the sender's doorbell ends the sleep when a frame arrives). Shared by the elements on one address (the first one's value)")
+                    .blurb("Longest sleep in microseconds between two scans of the status bytes when no block arrives (the sleep starts at 20 us, or this if lower, and doubles up to this): the latency a frame of a slow stream can wait to be seen, against the wake-ups of an idle receiver (over shm the sender's doorbell ends the sleep when a frame arrives, so there an idle receiver sleeps at least 10 ms). Shared by the elements on one address (the first one's value)")
                     .minimum(1)
                     .maximum(100_000)
                     .default_value(DEFAULT_POLL_MAX_US)
