@@ -559,7 +559,8 @@ fn elements_are_made_from_rdma_uris() {
     for (bad, why) in [
         ("rdma://h:1?colour=blue", "colour"),
         ("rdma://h:1?device-id=many", "device-id"),
-        ("rdma://h", "PORT"),
+        ("rdma://h", "no port"),
+        ("rdma://::1:7501", "brackets"),
     ] {
         let e = handler.set_uri(bad).unwrap_err().to_string();
         assert!(e.contains(why), "{bad}: {e}");
