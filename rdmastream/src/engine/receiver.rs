@@ -478,6 +478,8 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         )
     };
     let mut idle = poll_min;
+    // The sleep while waiting for memory: as over tcp, from `poll_min` doubling to `poll_max`.
+    let mut memory_idle = shared.opts.poll_min;
     let mut last_block = Instant::now();
     // Keep at least half the blocks for the sender: beyond that, payloads are copied. Lossless
     // frames go to the sink as their blocks too when it lets them go at once.
@@ -492,6 +494,7 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         let room = full.is_none_or(|j| has_room(&shared, &name, &region, j, zero_copy, &memory));
         if let (Some(j), true) = (full, room) {
             memory_wait = None;
+            memory_idle = shared.opts.poll_min;
             let over = region.retained() >= zero_copy_limit;
             if over && !copy_logged {
                 tracing::debug!(sender = %name, "{} of {n} blocks are held downstream; copying payloads until some are released", region.retained());
@@ -548,8 +551,10 @@ fn poll_region(accepted: Accepted, shared: Arc<Shared>) {
         if memory_wait.is_some() {
             // Waiting for memory, not for a block: the block that waits is FULL already, so a
             // ringing region's wait would return at once and this thread would spin (over shm
-            // it took a whole core behind a slow downstream). Sleep, as over tcp.
-            std::thread::sleep(idle.min(shared.opts.poll_max));
+            // it took a whole core behind a slow downstream). Sleep, as over tcp: from
+            // `poll_min`, doubling to `poll_max`.
+            std::thread::sleep(memory_idle);
+            memory_idle = (memory_idle * 2).min(shared.opts.poll_max);
         } else {
             // Over shm the sender's doorbell cuts this short when it stores a status byte.
             region.wait(idle);
