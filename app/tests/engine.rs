@@ -599,28 +599,9 @@ fn invalid_blocks_are_counted_freed_and_survived() {
 /// sender is never starved and every frame arrives.
 #[test]
 fn a_sink_holding_every_frame_does_not_starve_the_sender() {
-    #[derive(Default)]
-    struct Hoard(std::sync::Mutex<Vec<rdmastream::bytes::Bytes>>);
-    impl rdmastream::engine::FrameSink for Hoard {
-        fn handle(
-            &self,
-            _: &rdmastream::engine::StreamKey,
-            _: u64,
-            _: &Arc<rdmastream::stats::DeviceCounters>,
-            event: rdmastream::proto::StreamEvent,
-        ) {
-            rdmastream::proto::ack::settle(event.ack());
-            if let rdmastream::proto::StreamEvent::Frame(f) = event {
-                self.0.lock().unwrap().push(f.data);
-            }
-        }
-    }
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(4, 4096, vec![]));
-    let sink = Arc::new(Hoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
-            .unwrap();
+    let (sink, receiver) = hoarding(Box::new(listener));
     let opts = SenderOptions {
         name: "h".into(),
         key: Some(key()),
@@ -650,7 +631,7 @@ fn a_sink_holding_every_frame_does_not_starve_the_sender() {
     assert!(wait_until(Duration::from_secs(10), || receiver.all_senders_ended()));
     let held = sink.0.lock().unwrap();
     assert_eq!(held.len(), 50);
-    for (f, data) in held.iter().enumerate() {
+    for (f, (_, data)) in held.iter().enumerate() {
         let mut want = vec![0; 1000];
         rdmastream_app::source::radar_pattern(0, f as u64, &mut want);
         assert_eq!(&data[..], &want[..], "frame {f}");
@@ -665,30 +646,12 @@ fn a_sink_holding_every_frame_does_not_starve_the_sender() {
 /// It sleeps as over tcp instead: a few thousand polls a second at most, however slow the host.
 #[test]
 fn a_shm_receiver_waiting_for_memory_does_not_spin() {
-    #[derive(Default)]
-    struct Hoard(std::sync::Mutex<Vec<rdmastream::bytes::Bytes>>);
-    impl rdmastream::engine::FrameSink for Hoard {
-        fn handle(
-            &self,
-            _: &rdmastream::engine::StreamKey,
-            _: u64,
-            _: &Arc<rdmastream::stats::DeviceCounters>,
-            event: rdmastream::proto::StreamEvent,
-        ) {
-            rdmastream::proto::ack::settle(event.ack());
-            if let rdmastream::proto::StreamEvent::Frame(f) = event {
-                self.0.lock().unwrap().push(f.data);
-            }
-        }
-    }
     // Two blocks may stay retained (half the region); after that payloads are copied into a
     // share of 8 KiB, which eight 1000-byte frames fill.
     let mut small_share = settings(4, 4096, vec![]);
     small_share.reassembly = 8192;
     let (_dir, listener, connector) = shm_endpoints(small_share);
-    let sink = Arc::new(Hoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), listener, sink.clone()).unwrap();
+    let (sink, receiver) = hoarding(listener);
     let opts = SenderOptions {
         name: "slow-downstream".into(),
         key: Some(key()),
@@ -726,7 +689,8 @@ fn a_shm_receiver_waiting_for_memory_does_not_spin() {
     let (polls, t0) = (receiver.idle_polls(), std::time::Instant::now());
     std::thread::sleep(Duration::from_millis(300));
     let (polls, waited) = (receiver.idle_polls() - polls, t0.elapsed());
-    // At most one look per 100 µs of the time waited (it sleeps 500 µs between looks).
+    // At most one look per 100 µs of the time waited (it sleeps from `poll_min`, 20 µs,
+    // doubling to `poll_max`, 500 µs, between looks).
     let bound = waited.as_micros() as u64 / 100;
     assert!(
         polls <= bound,

@@ -57,9 +57,10 @@ pub trait Region: Send + Sync {
         None
     }
     /// The polling thread's idle wait: it found no FULL status byte and waits up to `timeout`
-    /// before it scans again. The default sleeps the whole time; a transport whose sender can
-    /// ring the receiver (shm's doorbell) returns as soon as a status byte is stored. Returning
-    /// early is only ever a hint: the caller scans again either way.
+    /// before it scans again. The default sleeps the whole time; a region that can be rung
+    /// returns as soon as a FULL status byte is stored (shm's doorbell on every wait, the soft
+    /// region's on its longest ones). Returning early is only ever a hint: the caller scans
+    /// again either way.
     fn wait(&self, timeout: std::time::Duration) {
         std::thread::sleep(timeout);
     }
