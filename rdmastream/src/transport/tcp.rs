@@ -1406,14 +1406,17 @@ pub struct SideChannelListener {
     /// still that socket.
     socket_file: Option<(PathBuf, (u64, u64))>,
     stop: Arc<AtomicBool>,
+    /// Dropped to wake the accepting thread from its wait (the other end of this pair hangs up).
+    wake: Option<UnixStream>,
     thread: Option<std::thread::JoinHandle<()>>,
     accepted: Receiver<Accepted>,
     refused: Receiver<Refusal>,
 }
 
-/// How long the accepting thread sleeps when no connection is pending; bounds how late a drop
-/// returns and how late a connection is picked up.
-const ACCEPT_POLL: Duration = Duration::from_millis(5);
+/// How long the accepting thread sleeps after an accept failed (out of descriptors and the
+/// like) or when it cannot wait on its sockets, before it tries again. When nothing is pending
+/// it waits in `poll(2)` for a connection or for the drop, without a timeout.
+const ACCEPT_RETRY: Duration = Duration::from_millis(5);
 
 /// Handshakes in progress at most (each on its own thread, for up to `HANDSHAKE_TIMEOUT`);
 /// connections beyond are closed at once.
@@ -1502,12 +1505,12 @@ impl SideChannelListener {
         let listener = TcpListener::bind(addr).map_err(listen_err)?;
         let local = listener.local_addr().map_err(listen_err)?.to_string();
         listener.set_nonblocking(true).map_err(listen_err)?;
-        let accept = move || {
+        let accept = |listener: &TcpListener| {
             let (stream, peer) = listener.accept()?;
             stream.set_nonblocking(false)?;
             Ok((stream, Some(peer.ip()), peer.to_string()))
         };
-        Self::serve(transport, local, None, accept, handshake)
+        Self::serve(transport, local, listener, accept, handshake)
     }
 
     /// Binds the Unix socket `path` (the shm transport) like [`SideChannelListener::bind`]. A
@@ -1531,27 +1534,34 @@ impl SideChannelListener {
             (m.dev(), m.ino())
         };
         let peer = local.clone();
-        let accept = move || {
+        let accept = move |listener: &UnixListener| {
             let (stream, _) = listener.accept()?;
             stream.set_nonblocking(false)?;
             Ok((stream, None, peer.clone()))
         };
-        let mut l = Self::serve(transport, local, None, accept, handshake)?;
+        let mut l = Self::serve(transport, local, listener, accept, handshake)?;
         l.socket_file = Some((path.to_path_buf(), identity));
         Ok(l)
     }
 
-    /// Runs the accepting thread: `accept` yields a connection (blocking), its remote IP
-    /// address for the per-address limit, and its peer name for messages.
-    fn serve<S: Send + 'static>(
+    /// Runs the accepting thread on the non-blocking `listener`: `accept` yields a pending
+    /// connection (or `WouldBlock`), its remote IP address for the per-address limit, and its
+    /// peer name for messages. With nothing pending the thread sleeps in `poll(2)` on the
+    /// listener and on a socket the drop hangs up, so an idle receiver's accepting thread never
+    /// wakes, a connection is taken the moment it comes, and the drop returns at once.
+    fn serve<L: std::os::fd::AsFd + Send + 'static, S: Send + 'static>(
         transport: &'static str,
         local: String,
-        socket_file: Option<(PathBuf, (u64, u64))>,
-        mut accept: impl FnMut() -> std::io::Result<(S, Option<std::net::IpAddr>, String)>
+        listener: L,
+        mut accept: impl FnMut(&L) -> std::io::Result<(S, Option<std::net::IpAddr>, String)>
         + Send
         + 'static,
         handshake: impl Fn(S) -> std::result::Result<Accepted, Refusal> + Send + Sync + 'static,
     ) -> Result<SideChannelListener> {
+        let (woken, wake) = UnixStream::pair().map_err(|source| Error::Listen {
+            addr: local.clone(),
+            source,
+        })?;
         let (accepted_tx, accepted) = crossbeam_channel::unbounded();
         let (refused_tx, refused) = crossbeam_channel::bounded(super::MAX_REFUSALS);
         let handshake = Arc::new(handshake);
@@ -1561,7 +1571,7 @@ impl SideChannelListener {
         let thread_name = format!("{transport}-accept");
         let thread = spawn(thread_name, move || {
             while !stopping.load(Ordering::Acquire) {
-                match accept() {
+                match accept(&listener) {
                     Ok((stream, ip, peer)) => {
                         let slot = match Slot::take(&in_progress, ip) {
                             Ok(s) => s,
@@ -1596,12 +1606,12 @@ impl SideChannelListener {
                         }
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(ACCEPT_POLL)
+                        wait_for_connection(&listener, &woken)
                     }
                     Err(e) => {
                         // Out of descriptors and the like: say so, keep serving.
                         crate::warn_limited!("accept", "accept failed: {e}");
-                        std::thread::sleep(ACCEPT_POLL);
+                        std::thread::sleep(ACCEPT_RETRY);
                     }
                 }
             }
@@ -1609,12 +1619,31 @@ impl SideChannelListener {
         Ok(SideChannelListener {
             transport,
             local,
-            socket_file,
+            socket_file: None,
             stop,
+            wake: Some(wake),
             thread: Some(thread),
             accepted,
             refused,
         })
+    }
+}
+
+/// Sleeps until `listener` has a connection pending or the other end of `woken` hangs up (the
+/// listener's drop). A signal ends the wait early, as does any failure of `poll(2)` (after a
+/// short sleep): the caller just tries `accept` again.
+fn wait_for_connection(listener: &impl std::os::fd::AsFd, woken: &UnixStream) {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let mut fds = [
+        PollFd::new(listener, PollFlags::IN),
+        PollFd::new(woken, PollFlags::IN),
+    ];
+    match poll(&mut fds, None) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => {}
+        Err(e) => {
+            crate::warn_limited!("accept-poll", "waiting for connections failed: {e}");
+            std::thread::sleep(ACCEPT_RETRY);
+        }
     }
 }
 
@@ -1661,6 +1690,8 @@ impl Listener for SideChannelListener {
 impl Drop for SideChannelListener {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        // Hangs up on the accepting thread's wait, after the flag it then sees.
+        drop(self.wake.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -2321,6 +2352,66 @@ mod tests {
         assert!(
             !err.contains("timeout"),
             "ended by the receiver, not a timeout: {err}"
+        );
+    }
+
+    /// How often the thread of this process named `name` (at most 15 bytes, as Linux keeps
+    /// it) gave up the CPU of its own accord so far: one per sleep it woke from.
+    fn voluntary_switches(name: &str) -> u64 {
+        let task = std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .map(|t| t.unwrap().path())
+            .find(|t| std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim() == name))
+            .unwrap_or_else(|| panic!("no thread named {name}"));
+        let status = std::fs::read_to_string(task.join("status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// An idle listener's accepting thread sleeps until a connection comes or the listener is
+    /// dropped: it does not wake to look (it slept 5 ms at a time, 200 wake-ups a second for an
+    /// idle receiver), it takes a connection at once, and the drop ends it at once.
+    #[test]
+    fn an_idle_listener_sleeps_until_a_connection_or_its_drop() {
+        let listener = SideChannelListener::bind("idle", "127.0.0.1:0", |mut stream| {
+            stream.write_all(b"hi").unwrap();
+            Err(Refusal {
+                peer: "test".into(),
+                why: "only greeted".into(),
+                kind: RefusalKind::BadHandshake,
+            })
+        })
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let before = voluntary_switches("idle-accept");
+        std::thread::sleep(Duration::from_millis(300));
+        let woken = voluntary_switches("idle-accept") - before;
+        assert!(
+            woken <= 2,
+            "the idle accepting thread woke {woken} times in 300 ms"
+        );
+        // Still serving: a connection is taken and handed to the handshake.
+        let mut stream = TcpStream::connect(listener.local_addr()).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let mut hi = [0u8; 2];
+        stream.read_exact(&mut hi).unwrap();
+        assert_eq!(&hi, b"hi");
+        // On a thread of its own, so a drop that never returns fails the test, not hangs it.
+        let (dropped_tx, dropped) = crossbeam_channel::bounded(1);
+        std::thread::spawn(move || {
+            drop(listener);
+            let _ = dropped_tx.send(());
+        });
+        assert!(
+            dropped.recv_timeout(Duration::from_secs(20)).is_ok(),
+            "the drop did not return in 20 s"
         );
     }
 
