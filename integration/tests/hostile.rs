@@ -101,6 +101,19 @@ struct Scenario {
     peak: Option<Peak>,
 }
 
+/// A test that fails midway leaves no receiver or sender behind (they ran on, orphaned, after
+/// a failed assertion). After `finish` both have exited, and this does nothing.
+impl Drop for Scenario {
+    fn drop(&mut self) {
+        for child in [&mut self.rx, &mut self.honest] {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
 fn receiver_pid(s: &Scenario) -> u32 {
     s.rx.id()
 }
@@ -293,10 +306,18 @@ fn headers_claiming_4_gib_reserve_nothing() {
 
 /// Attack 2: many peers. Unauthenticated ones are refused; authenticated ones beyond
 /// `max_senders` too (the honest sender holds one of the four places), so regions, threads and
-/// memory stay bounded.
+/// memory stay bounded. The attack starts once the honest sender streams: on a loaded machine
+/// its process may connect after the first peers took every place.
 #[test]
 fn many_peers_are_bounded_by_keys_and_max_senders() {
-    let s = Scenario::start("");
+    let mut s = Scenario::start("");
+    assert!(
+        wait_for(Duration::from_secs(20), || !frame_files(
+            &s.out.join(format!("{HONEST}/device-000"))
+        )
+        .is_empty()),
+        "honest sender never streamed"
+    );
     let mut held = Vec::new();
     for i in 0..48 {
         // Without a key (the receiver asks for a proof this peer cannot give).
@@ -306,11 +327,21 @@ fn many_peers_are_bounded_by_keys_and_max_senders() {
             held.push(c);
         }
     }
-    assert_eq!(
-        held.len() as u64,
-        MAX_SENDERS - 1,
-        "admitted beyond max_senders"
-    );
+    // The honest sender streams for about 2 s; a loaded machine may take longer than that over
+    // the 96 handshakes, and once it is done its place is free for one more peer.
+    let admitted = held.len() as u64;
+    if s.honest.try_wait().unwrap().is_some() {
+        assert!(
+            (MAX_SENDERS - 1..=MAX_SENDERS).contains(&admitted),
+            "{admitted} admitted beside an honest sender that finished meanwhile"
+        );
+    } else {
+        assert_eq!(
+            admitted,
+            MAX_SENDERS - 1,
+            "admitted beyond max_senders (the honest sender holds a place)"
+        );
+    }
     let log = s.finish();
     drop(held);
     assert!(log.contains("sender-limit"), "{log}");
