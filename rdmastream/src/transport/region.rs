@@ -581,13 +581,16 @@ impl Region for SoftRegion {
         let guard = bell.lock.lock().unwrap_or_else(|e| e.into_inner());
         bell.asleep.store(true, Ordering::Relaxed);
         std::sync::atomic::fence(Ordering::SeqCst);
-        let full = self
-            .statuses
-            .iter()
-            .any(|s| s.load(Ordering::Acquire) == status::FULL);
-        if !full && !self.is_closed() {
-            let _ = bell.rung.wait_timeout(guard, timeout);
-        }
+        // Looked at first with the lock held, and again after every wake-up, so a spurious one
+        // does not end the wait early.
+        let idle = |_: &mut ()| {
+            !self.is_closed()
+                && !self
+                    .statuses
+                    .iter()
+                    .any(|s| s.load(Ordering::Acquire) == status::FULL)
+        };
+        drop(bell.rung.wait_timeout_while(guard, timeout, idle));
         bell.asleep.store(false, Ordering::Relaxed);
     }
     fn notify(&self, notice: Notice) {
@@ -739,30 +742,37 @@ mod tests {
     }
 
     /// A long idle wait (a live stream's, between frames) ends when the NIC stores a FULL status
-    /// byte, not at its timeout; a FULL byte already there ends it at once.
+    /// byte, not at its timeout; a FULL byte already there ends it at once. The instants are
+    /// compared, not a duration the waiting thread measured: on a loaded machine that thread
+    /// may start its clock well after this one (the check once read 296 ms for a 300 ms pause).
     #[test]
     fn a_full_status_byte_ends_a_long_idle_wait() {
         let r = region();
         let waiter = {
             let r = r.clone();
             std::thread::spawn(move || {
-                let t0 = std::time::Instant::now();
                 r.wait(std::time::Duration::from_secs(30));
-                t0.elapsed()
+                std::time::Instant::now()
             })
         };
         std::thread::sleep(std::time::Duration::from_millis(300));
+        let storing = std::time::Instant::now();
         r.write_with(Target::Statuses, 1, 1, |b| {
             b[0] = status::FULL;
             Ok(())
         })
         .unwrap()
         .unwrap();
-        let waited = waiter.join().unwrap();
+        let ended = waiter.join().unwrap();
         assert!(
-            waited >= std::time::Duration::from_millis(300)
-                && waited < std::time::Duration::from_secs(15),
-            "the wait took {waited:?}: it should end when the status byte is stored, 300 ms in"
+            ended >= storing,
+            "the wait ended {:?} before the status byte was stored",
+            storing - ended
+        );
+        assert!(
+            ended - storing < std::time::Duration::from_secs(15),
+            "the wait ended {:?} after the status byte was stored, not at once",
+            ended - storing
         );
         let t0 = std::time::Instant::now();
         r.wait(std::time::Duration::from_secs(30));
