@@ -1054,7 +1054,7 @@ fn a_post_that_fails_on_a_committing_thread_is_reconnected_by_the_sending_thread
                 assert!(r.commit(meta(index)));
                 sent.insert(index, bytes);
                 index += 1;
-                if index % 8 == 0 {
+                if index.is_multiple_of(8) {
                     // A pause now and then, so the sending thread goes back to sleep and the
                     // next commit is posted here (back to back, every hand-over may find it at
                     // work on a loaded machine).
