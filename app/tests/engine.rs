@@ -2575,7 +2575,7 @@ fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Conne
                 // (in a burst, or behind a backlog a slow connect left, every hand-over may find
                 // it at work or its channel not empty: a loaded CI run once saw none driven here).
                 assert!(
-                    wait_until(wait, || handed_on(&log) == want.len()),
+                    wait_until(wait, || handed_on(&log).len() == want.len()),
                     "frames before {index} did not arrive"
                 );
                 std::thread::sleep(Duration::from_millis(5));
@@ -2591,15 +2591,7 @@ fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Conne
     // direct also posted it itself, whenever the sending thread was not at work.
     assert!(report.driven_here > 0, "{report:?}");
     assert!(wait_until(wait, || receiver.all_senders_ended()));
-    let got: Vec<(String, String)> = log
-        .0
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|e| e.2 != "end")
-        .map(|e| (e.2.clone(), e.3.clone()))
-        .collect();
-    assert_eq!(got, want);
+    assert_eq!(handed_on(&log), want);
     // 31 of the 34 committed frames had no format due (0, 20 and 30 had); they went direct
     // unless the filling thread was busy the moment they were committed.
     assert!(direct > 0, "no committed frame skipped the filling thread");
@@ -2610,14 +2602,16 @@ fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Conne
     receiver.stop();
 }
 
-/// How many frames and formats the receiver handed on so far (ends not counted).
-fn handed_on(log: &Events) -> usize {
+/// The frames and formats the receiver handed on so far, in order, as (what, detail) (ends
+/// left out).
+fn handed_on(log: &Events) -> Vec<(String, String)> {
     log.0
         .lock()
         .unwrap()
         .iter()
         .filter(|e| e.2 != "end")
-        .count()
+        .map(|e| (e.2.clone(), e.3.clone()))
+        .collect()
 }
 
 /// A frame whose rendering panics, on the filling thread.

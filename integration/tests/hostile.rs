@@ -207,6 +207,16 @@ impl Scenario {
         }
     }
 
+    /// Waits up to 20 s until the honest sender's first camera has written `frames` files.
+    fn wait_for_honest_frames(&self, frames: usize) {
+        let dir = self.out.join(format!("{HONEST}/device-000"));
+        assert!(
+            wait_for(Duration::from_secs(20), || frame_files(&dir).len()
+                >= frames),
+            "honest sender never streamed"
+        );
+    }
+
     /// Waits for the honest sender, stops the receiver (Ctrl-C) and checks everything that
     /// must hold whatever the attack was. Returns the receiver's log.
     fn finish(mut self) -> String {
@@ -311,13 +321,7 @@ fn headers_claiming_4_gib_reserve_nothing() {
 #[test]
 fn many_peers_are_bounded_by_keys_and_max_senders() {
     let mut s = Scenario::start("");
-    assert!(
-        wait_for(Duration::from_secs(20), || !frame_files(
-            &s.out.join(format!("{HONEST}/device-000"))
-        )
-        .is_empty()),
-        "honest sender never streamed"
-    );
+    s.wait_for_honest_frames(1);
     let mut held = Vec::new();
     for i in 0..48 {
         // Without a key (the receiver asks for a proof this peer cannot give).
@@ -388,14 +392,7 @@ fn slow_and_idle_handshakes_do_not_lock_honest_senders_out() {
 #[test]
 fn a_sender_name_cannot_be_taken() {
     let s = Scenario::start("");
-    assert!(
-        wait_for(Duration::from_secs(20), || frame_files(
-            &s.out.join(format!("{HONEST}/device-000"))
-        )
-        .len()
-            > 5),
-        "honest sender never streamed"
-    );
+    s.wait_for_honest_frames(6);
     for key in [None, Some(MALLORY_KEY), Some(SHARED_KEY)] {
         let e = hostile::authenticated(&s.addr, HONEST, key, 1)
             .unwrap_err()

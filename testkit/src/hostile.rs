@@ -84,18 +84,28 @@ pub fn authenticated(
     session: u64,
 ) -> rdmastream::Result<(TcpStream, Welcome)> {
     let key = key.map(|k| Key::new(k.as_bytes().to_vec()).expect("test key"));
-    let mut tries = 50;
-    loop {
-        let r =
-            rdmastream::transport::tcp::client_handshake(addr, &hello(name, session), key.as_ref());
-        match r {
-            Err(e) if tries > 1 && e.to_string().contains("reading message length") => {
-                tries -= 1;
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            r => return r,
+    again_while_closed_silently(
+        || rdmastream::transport::tcp::client_handshake(addr, &hello(name, session), key.as_ref()),
+        |r| matches!(r, Err(e) if e.to_string().contains("reading message length")),
+    )
+}
+
+/// Runs a handshake `attempt` again, 20 ms apart for up to a second, while `silent` says the
+/// receiver closed it without a word: the per-address handshake limit, still counting the
+/// handshakes it just refused (see [`authenticated`]). The last attempt's outcome is returned
+/// whatever it is.
+fn again_while_closed_silently<T>(
+    mut attempt: impl FnMut() -> T,
+    silent: impl Fn(&T) -> bool,
+) -> T {
+    for _ in 1..50 {
+        let outcome = attempt();
+        if !silent(&outcome) {
+            return outcome;
         }
+        std::thread::sleep(Duration::from_millis(20));
     }
+    attempt()
 }
 
 /// Operation codes and targets of the tcp data path (docs/protocol.md).
@@ -334,20 +344,11 @@ fn answer_to(from: &str, addr: &str, first: &[u8]) -> String {
     })
 }
 
-/// Runs a handshake attempt again, for up to a second, while the receiver closes it without a
-/// word ("closed: ..."): the per-address handshake limit, still counting the handshakes it just
-/// refused (see [`authenticated`]). Every refusal of a malformed handshake comes with its
-/// reason, so a silent close is never the answer under test.
-fn answered(mut attempt: impl FnMut() -> String) -> String {
-    let mut tries = 50;
-    loop {
-        let answer = attempt();
-        if tries == 1 || !answer.starts_with("closed:") {
-            return answer;
-        }
-        tries -= 1;
-        std::thread::sleep(Duration::from_millis(20));
-    }
+/// A malformed handshake's answer, tried again while the receiver closes it without a word
+/// ("closed: ...", [`again_while_closed_silently`]). Every refusal of a malformed handshake
+/// comes with its reason, so a silent close is never the answer under test.
+fn answered(attempt: impl FnMut() -> String) -> String {
+    again_while_closed_silently(attempt, |answer| answer.starts_with("closed:"))
 }
 
 /// Malformed handshakes: oversized length prefix, truncated Hello, garbage, a version-1 Hello.
