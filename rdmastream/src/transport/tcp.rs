@@ -1022,7 +1022,7 @@ impl TcpConnection {
     fn push_op(&mut self, h: OpHeader, extra: &[u8], source: WriteSource<'_>) -> Result<()> {
         if let WriteSource::SendBlock { len, .. } = source
             && len >= SMALL_WRITE
-            && self.deferred.len() == MAX_DEFERRED
+            && !gathers(&self.deferred, len)
         {
             self.flush()?;
         }
@@ -1124,6 +1124,22 @@ const SMALL_WRITE: usize = 16 * 1024;
 
 /// Chains whose block data one flush writes at most.
 const MAX_DEFERRED: usize = 8;
+
+/// Block data one flush gathers at most (unless a single block is larger): what a loopback
+/// socket's send buffer holds at most by default (`tcp_wmem`'s 4 MiB). A writev holds every send
+/// block in it until its last byte is taken, and past what the socket holds it saves no system
+/// call, only sleeps inside one: eight 4 MiB blocks in one writev kept the filling side waiting
+/// for 32 MiB to drain, then refilling eight blocks while the link ran dry (README, Benchmarks,
+/// "Gathering at most 4 MiB per `writev`").
+const MAX_GATHER: usize = 4 << 20;
+
+/// Whether a send block of `len` bytes joins the blocks already `deferred` in the next flush,
+/// instead of that flush going first: while fewer than [`MAX_DEFERRED`] wait and together they
+/// stay within [`MAX_GATHER`] bytes (a first block always joins).
+fn gathers(deferred: &[Deferred], len: usize) -> bool {
+    let queued: usize = deferred.iter().map(|d| d.len).sum();
+    deferred.is_empty() || (deferred.len() < MAX_DEFERRED && queued + len <= MAX_GATHER)
+}
 
 /// Where a send block's data goes in the queued bytes ([`TcpConnection::flush`]).
 #[derive(Clone, Copy)]
@@ -2198,6 +2214,35 @@ pub mod fuzzing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flush_gathers_up_to_eight_blocks_and_at_most_4_mib() {
+        let gathered = |len: usize| {
+            let mut deferred: Vec<Deferred> = Vec::new();
+            while gathers(&deferred, len) {
+                deferred.push(Deferred {
+                    at: 0,
+                    index: deferred.len(),
+                    len,
+                });
+                assert!(
+                    deferred.len() <= 64,
+                    "{len}-byte blocks are gathered without end"
+                );
+            }
+            deferred.len()
+        };
+        assert_eq!(gathered(64 << 10), 8, "64 KiB blocks");
+        assert_eq!(gathered(512 << 10), 8, "512 KiB blocks");
+        assert_eq!(gathered(1 << 20), 4, "1 MiB blocks");
+        assert_eq!(gathered(3 << 20), 1, "3 MiB blocks");
+        assert_eq!(gathered(4 << 20), 1, "4 MiB blocks");
+        assert_eq!(
+            gathered(16 << 20),
+            1,
+            "a block larger than the limit still goes out"
+        );
+    }
 
     fn key() -> Key {
         Key::new(b"tcp-notice-test-key-01".to_vec()).unwrap()
