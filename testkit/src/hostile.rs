@@ -74,9 +74,10 @@ pub fn hello(name: &str, session: u64) -> Hello {
 ///
 /// A connection the receiver closes without a word is tried again, for up to a second, as a
 /// sender reconnects: that is the per-address handshake limit, and the handshakes it counts
-/// include ones just refused, whose threads give their slots back a moment after the refusal
-/// is sent (on a loaded machine, after this peer read it and connected again: a test that
-/// tried three names and then a fourth connection saw "connection reset" for the fourth).
+/// include ones just admitted, whose threads give their slots back a moment after the welcome
+/// is sent. (Refused ones give theirs back before the refusal goes out, since 2026-11-27; until
+/// then a test that tried three names and then a fourth connection on a loaded machine saw
+/// "connection reset" for the fourth.)
 pub fn authenticated(
     addr: &str,
     name: &str,
@@ -92,7 +93,7 @@ pub fn authenticated(
 
 /// Runs a handshake `attempt` again, 20 ms apart for up to a second, while `silent` says the
 /// receiver closed it without a word: the per-address handshake limit, still counting the
-/// handshakes it just refused (see [`authenticated`]). The last attempt's outcome is returned
+/// handshakes it just admitted (see [`authenticated`]). The last attempt's outcome is returned
 /// whatever it is.
 fn again_while_closed_silently<T>(
     mut attempt: impl FnMut() -> T,

@@ -348,6 +348,9 @@ pub fn refuse<S: SideStream>(
         "refused connection from {peer} ({kind}): {}",
         logsafe::clean(&why, logsafe::MAX_PEER_TEXT)
     );
+    // Over before the answer goes out: a sender that reconnects the moment it reads it must
+    // not find its address's handshake slots still held by this one.
+    Slot::release_current();
     let _ = send_message(stream, &Welcome::refusal(why.clone()).encode());
     stream.shutdown_both();
     Refusal {
@@ -1490,6 +1493,30 @@ impl Slot {
     }
 }
 
+thread_local! {
+    /// The slot of the handshake this thread runs ([`Slot::hold_while`]), for [`refuse`] to
+    /// give back before it answers.
+    static CURRENT_SLOT: std::cell::RefCell<Option<Slot>> = const { std::cell::RefCell::new(None) };
+}
+
+impl Slot {
+    /// Runs `handshake` on this thread holding the slot, which is given back when it returns,
+    /// or earlier, by [`Slot::release_current`].
+    fn hold_while<T>(self, handshake: impl FnOnce() -> T) -> T {
+        CURRENT_SLOT.with(|c| *c.borrow_mut() = Some(self));
+        let result = handshake();
+        Self::release_current();
+        result
+    }
+
+    /// Gives back the slot of the handshake running on this thread, if it still holds one:
+    /// once its refusal is decided, the handshake no longer counts against the limits.
+    fn release_current() {
+        let slot = CURRENT_SLOT.with(|c| c.borrow_mut().take());
+        drop(slot);
+    }
+}
+
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut t = self.table.lock();
@@ -1605,9 +1632,7 @@ impl SideChannelListener {
                         let (handshake, accepted_tx, refused_tx) =
                             (handshake.clone(), accepted_tx.clone(), refused_tx.clone());
                         let spawned = spawn(format!("{transport}-handshake"), move || {
-                            let result = handshake(stream);
-                            drop(slot);
-                            match result {
+                            match slot.hold_while(|| handshake(stream)) {
                                 Ok(a) => {
                                     let _ = accepted_tx.send(a);
                                 }
@@ -2458,6 +2483,38 @@ mod tests {
             dropped.recv_timeout(Duration::from_secs(20)).is_ok(),
             "the drop did not return in 20 s"
         );
+    }
+
+    /// A refused handshake gives its slot back before the refusal goes out: a sender that
+    /// reconnects the moment it reads one is answered again, with a reason, however long the
+    /// refused handshake's thread takes to end (here 300 ms each, so without that five of them
+    /// would hold the address's four slots and the fifth would be closed without a word).
+    #[test]
+    fn refused_handshakes_from_one_address_do_not_hold_its_slots() {
+        let listener = SideChannelListener::bind("slots", "127.0.0.1:0", |mut stream| {
+            let r = refuse(
+                &mut stream,
+                "test",
+                RefusalKind::BadHandshake,
+                "refused for the test".into(),
+            );
+            std::thread::sleep(Duration::from_millis(300));
+            Err(r)
+        })
+        .unwrap();
+        for attempt in 1..=2 * MAX_HANDSHAKES_PER_ADDRESS {
+            let mut stream = TcpStream::connect(listener.local_addr()).unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(20)))
+                .unwrap();
+            let mut answer = Vec::new();
+            let _ = stream.read_to_end(&mut answer);
+            assert!(
+                String::from_utf8_lossy(&answer).contains("refused for the test"),
+                "connection {attempt} was closed without the refusal ({} bytes)",
+                answer.len()
+            );
+        }
     }
 
     fn ack(wr_id: u64) -> Vec<u8> {
