@@ -148,12 +148,57 @@ pub fn init_logging() {
         .try_init();
 }
 
-/// Calls `tick` every `interval` until `stop` is set or `tick` returns false. Returns when it
-/// stopped.
-pub fn every(interval: Duration, stop: &AtomicBool, mut tick: impl FnMut(Duration) -> bool) {
+/// The binaries' stop (Ctrl-C, `--duration`, a sender whose link gave up): a flag the sources
+/// look at between frames, and a condition variable the main thread sleeps on between status
+/// lines, so it wakes when a stop is asked for instead of looking every few milliseconds (an
+/// idle receiver's main thread woke 50 times a second for that).
+#[derive(Clone, Default)]
+pub struct Stop {
+    flag: Arc<AtomicBool>,
+    bell: Arc<(parking_lot::Mutex<()>, parking_lot::Condvar)>,
+}
+
+impl Stop {
+    pub fn new() -> Stop {
+        Stop::default()
+    }
+
+    /// Asks for the stop and wakes [`Stop::sleep`]; returns whether it had been asked already.
+    pub fn ask(&self) -> bool {
+        let was = self.flag.swap(true, Ordering::AcqRel);
+        // Under the lock: a sleeper that saw the flag clear is already waiting, and is woken.
+        let _held = self.bell.0.lock();
+        self.bell.1.notify_all();
+        was
+    }
+
+    pub fn is_asked(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+
+    /// The flag itself, for sources that take an `AtomicBool`.
+    pub fn flag(&self) -> &Arc<AtomicBool> {
+        &self.flag
+    }
+
+    /// Sleeps for `d`, or until the stop is asked for if that comes first.
+    pub fn sleep(&self, d: Duration) {
+        let deadline = Instant::now() + d;
+        let mut held = self.bell.0.lock();
+        while !self.is_asked() {
+            if self.bell.1.wait_until(&mut held, deadline).timed_out() {
+                return;
+            }
+        }
+    }
+}
+
+/// Calls `tick` every `interval` until `stop` is asked for or `tick` returns false, sleeping in
+/// between (a stop ends the sleep at once). Returns when it stopped.
+pub fn every(interval: Duration, stop: &Stop, mut tick: impl FnMut(Duration) -> bool) {
     let mut last = Instant::now();
     let mut next = last + interval;
-    while !stop.load(Ordering::Acquire) {
+    while !stop.is_asked() {
         let now = Instant::now();
         if now >= next {
             if !tick(now - last) {
@@ -162,9 +207,7 @@ pub fn every(interval: Duration, stop: &AtomicBool, mut tick: impl FnMut(Duratio
             last = now;
             next = now + interval;
         }
-        std::thread::sleep(
-            (next.saturating_duration_since(Instant::now())).min(Duration::from_millis(20)),
-        );
+        stop.sleep(next.saturating_duration_since(Instant::now()));
     }
 }
 
@@ -417,6 +460,50 @@ pub fn exit_on_error(program: &str, e: &(dyn std::error::Error + 'static)) -> ! 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stop ends the wait between status lines at once: the main thread does not look at the
+    /// flag every few milliseconds, nor sleep out the interval.
+    #[test]
+    fn a_stop_ends_the_wait_between_status_lines_at_once() {
+        let stop = Stop::new();
+        let asker = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                let asked_at = Instant::now();
+                assert!(!stop.ask(), "asked twice");
+                asked_at
+            })
+        };
+        let mut ticks = 0;
+        every(Duration::from_secs(30), &stop, |_| {
+            ticks += 1;
+            true
+        });
+        let returned = Instant::now();
+        let asked_at = asker.join().unwrap();
+        assert_eq!(ticks, 0, "a tick before the 30 s interval");
+        let late = returned.saturating_duration_since(asked_at);
+        assert!(
+            late < Duration::from_secs(10),
+            "every returned {late:?} after the stop"
+        );
+        assert!(stop.is_asked() && stop.flag().load(Ordering::Acquire));
+        assert!(stop.ask(), "the second ask says it was asked already");
+        // Asked already: a sleep returns at once.
+        let t = Instant::now();
+        stop.sleep(Duration::from_secs(30));
+        assert!(t.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn a_sleep_without_a_stop_lasts_its_time() {
+        let stop = Stop::new();
+        let t = Instant::now();
+        stop.sleep(Duration::from_millis(50));
+        assert!(t.elapsed() >= Duration::from_millis(50));
+        assert!(!stop.is_asked());
+    }
 
     #[test]
     fn byte_sizes_parse_with_units() {

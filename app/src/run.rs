@@ -125,7 +125,7 @@ pub fn sender(
     key: Option<Key>,
     connector: Box<dyn Connector>,
     duration: Option<f64>,
-    stop: Arc<AtomicBool>,
+    stop: crate::cli::Stop,
 ) -> Result<(), Error> {
     // Build every producer first so a bad image directory fails before anything streams.
     let mut producers = Vec::new();
@@ -195,7 +195,7 @@ pub fn sender(
     let render_here = in_place_blocks > 0;
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
-        let (stop, frames) = (stop.clone(), d.frames);
+        let (stop, frames) = (stop.flag().clone(), d.frames);
         sources.push(
             std::thread::Builder::new()
                 .name(format!("source-{}", d.id))
@@ -264,7 +264,7 @@ pub fn sender(
                 return false;
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                stop.store(true, Ordering::Release);
+                stop.ask();
             }
             true
         },
@@ -280,9 +280,9 @@ pub fn sender(
         // The sending thread gave up (refused, failed): nothing more can be delivered, so the
         // sources stop too and the error is reported below.
         if sender.is_finished() {
-            stop.store(true, Ordering::Release);
+            stop.ask();
         }
-        if give_up.is_none() && stop.load(Ordering::Acquire) {
+        if give_up.is_none() && stop.is_asked() {
             give_up = Some(Instant::now() + grace);
         }
         if give_up.is_some_and(|t| Instant::now() >= t) {
@@ -302,7 +302,7 @@ pub fn sender(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    stop.store(true, Ordering::Release);
+    stop.ask();
     tick(&sender, told.elapsed());
     observer.monitor.finish();
     let report = sender.finish(Duration::ZERO)?;
@@ -359,7 +359,7 @@ pub struct ReceiverRun<'a> {
 /// logs the table and the summary and returns the exit code: 4 when frames of lossless devices
 /// are missing from the output, 3 when `verify` found a frame that differs from its reference,
 /// else 0.
-pub fn receiver(receiver: ReceiverHandle, run: ReceiverRun<'_>, stop: Arc<AtomicBool>) -> i32 {
+pub fn receiver(receiver: ReceiverHandle, run: ReceiverRun<'_>, stop: crate::cli::Stop) -> i32 {
     let ReceiverRun {
         files,
         status_interval,

@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use clap::Parser;
@@ -121,11 +120,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     if let Some(hint) = cfg.tcp_region_hint(kind == Kind::Tcp) {
         tracing::info!("{hint}");
     }
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = rdmastream_app::cli::Stop::new();
     {
         let stop = stop.clone();
         ctrlc::set_handler(move || {
-            if stop.swap(true, Ordering::AcqRel) {
+            if stop.ask() {
                 std::process::exit(130);
             }
             eprintln!("receiver: stopping, finishing the files in progress");

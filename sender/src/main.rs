@@ -2,8 +2,6 @@
 //! shared connection (status-byte-assisted one-sided RDMA, or its TCP emulation).
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -88,11 +86,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Duration::from_secs_f64(cfg.peer_timeout),
         cfg.shm_cache_budget(&file)?,
     )?;
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = rdmastream_app::cli::Stop::new();
     {
         let stop = stop.clone();
         ctrlc::set_handler(move || {
-            if stop.swap(true, Ordering::AcqRel) {
+            if stop.ask() {
                 eprintln!("sender: second Ctrl-C, exiting now");
                 std::process::exit(130);
             }
