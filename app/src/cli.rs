@@ -393,9 +393,12 @@ pub fn split_host_port(addr: &str) -> Result<(&str, u16), String> {
     }
 }
 
-/// The socket path of a `unix:/path` address (the shm transport), or `None` for any other.
+/// The socket path of a `unix:/path` address (the shm transport), or `None` for any other. Unlike
+/// the shm transport's `socket_path`, `unix:` alone gives an empty path, so that the config
+/// checks can name it as a missing path rather than as a host:port without a port.
 pub fn unix_socket(addr: &str) -> Option<&std::path::Path> {
-    addr.strip_prefix("unix:").map(std::path::Path::new)
+    addr.strip_prefix(rdmastream::transport::UNIX_SCHEME)
+        .map(std::path::Path::new)
 }
 
 /// True when every address `addr` (`host:port`) resolves to is a loopback address, or when it

@@ -159,7 +159,7 @@ fn fabric() -> &'static rdmastream::transport::mem::MemFabric {
 /// `host:port`, with IPv6 literals bracketed; a `unix:/path` host (the shm transport) is the
 /// whole address and the port is not used.
 pub fn join_host_port(host: &str, port: u32) -> String {
-    if host.starts_with("unix:") {
+    if host.starts_with(rdmastream::transport::UNIX_SCHEME) {
         host.to_string()
     } else if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]:{port}")

@@ -91,7 +91,7 @@ fn query_pairs(uri: &str, query: &str) -> Result<Vec<(String, String)>, glib::Er
 /// The URI of an element aimed at (or listening on) `host:port` for `device_id` over
 /// `transport`: what both elements' `uri()` give.
 pub fn format(host: &str, port: u32, device_id: u32, transport: Transport) -> String {
-    if let Some(path) = host.strip_prefix("unix:") {
+    if let Some(path) = host.strip_prefix(rdmastream::transport::UNIX_SCHEME) {
         return format!(
             "rdma+unix://{path}?device-id={device_id}&transport={}",
             transport.nick()

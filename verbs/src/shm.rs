@@ -55,7 +55,7 @@ use rdmastream::transport::{
 };
 
 /// The address scheme of the shm transport: `unix:/path/of/the/socket`.
-pub const SCHEME: &str = "unix:";
+pub const SCHEME: &str = rdmastream::transport::UNIX_SCHEME;
 
 /// The socket path of a `unix:` address, or `None` for any other address.
 pub fn socket_path(addr: &str) -> Option<&Path> {

@@ -170,6 +170,10 @@ pub trait Connection: Send {
     fn completes_at_once(&self) -> bool;
 }
 
+/// The address scheme of the shm transport, `unix:/path/of/the/socket`: defined here, where
+/// the config checks, the elements and the transport itself all see it.
+pub const UNIX_SCHEME: &str = "unix:";
+
 /// The shm transport's [`Connection::cache_budget`] where the machine's cache size cannot be read
 /// (see [`shm_cache_budget`]): an eighth of the 32 MiB last-level cache of the machine it was
 /// measured on. See README and docs/protocol.md, "The working set on one host".
