@@ -1451,6 +1451,12 @@ struct InProgress {
     per_address: std::collections::HashMap<std::net::IpAddr, usize>,
 }
 
+thread_local! {
+    /// The slot of the handshake this thread runs ([`Slot::hold_while`]), for [`refuse`] to
+    /// give back before it answers.
+    static CURRENT_SLOT: std::cell::RefCell<Option<Slot>> = const { std::cell::RefCell::new(None) };
+}
+
 /// A handshake slot, given back when dropped (also when the handshake thread panics).
 struct Slot {
     table: Arc<Mutex<InProgress>>,
@@ -1491,15 +1497,7 @@ impl Slot {
             ip: Some(ip),
         })
     }
-}
 
-thread_local! {
-    /// The slot of the handshake this thread runs ([`Slot::hold_while`]), for [`refuse`] to
-    /// give back before it answers.
-    static CURRENT_SLOT: std::cell::RefCell<Option<Slot>> = const { std::cell::RefCell::new(None) };
-}
-
-impl Slot {
     /// Runs `handshake` on this thread holding the slot, which is given back when it returns,
     /// or earlier, by [`Slot::release_current`].
     fn hold_while<T>(self, handshake: impl FnOnce() -> T) -> T {
