@@ -73,11 +73,11 @@ pub fn hello(name: &str, session: u64) -> Hello {
 /// what follows is the attack).
 ///
 /// A connection the receiver closes without a word is tried again, for up to a second, as a
-/// sender reconnects: that is the per-address handshake limit, and the handshakes it counts
-/// include ones just admitted, whose threads give their slots back a moment after the welcome
-/// is sent. (Refused ones give theirs back before the refusal goes out, since 2026-11-27; until
-/// then a test that tried three names and then a fourth connection on a loaded machine saw
-/// "connection reset" for the fourth.)
+/// sender reconnects: that is the per-address handshake limit. Since 2026-11-27 a handshake
+/// gives its slot back before its refusal or welcome goes out, so only handshakes really in
+/// progress count (a peer that hung up mid-handshake, until its thread sees it); until then a
+/// test that tried three names and then a fourth connection on a loaded machine saw
+/// "connection reset" for the fourth, and the retry stays for what is left.
 pub fn authenticated(
     addr: &str,
     name: &str,
@@ -92,8 +92,7 @@ pub fn authenticated(
 }
 
 /// Runs a handshake `attempt` again, 20 ms apart for up to a second, while `silent` says the
-/// receiver closed it without a word: the per-address handshake limit, still counting the
-/// handshakes it just admitted (see [`authenticated`]). The last attempt's outcome is returned
+/// receiver closed it without a word: the per-address handshake limit (see [`authenticated`]). The last attempt's outcome is returned
 /// whatever it is.
 fn again_while_closed_silently<T>(
     mut attempt: impl FnMut() -> T,

@@ -507,6 +507,9 @@ pub fn server_handshake<T, S: SideStream>(
     if let Some(k) = &key {
         k.prove_welcome(&hello_bytes, &challenge_bytes, &mut welcome);
     }
+    // Admitted: from here the sender counts against `max_senders`, not the handshake limits, so
+    // its slot is given back before the welcome goes out (as a refusal's is).
+    Slot::release_current();
     if let Err(e) = send_message(stream, &welcome.encode()) {
         return Err(lost(&peer, &hello.sender, e));
     }
@@ -1508,7 +1511,8 @@ impl Slot {
     }
 
     /// Gives back the slot of the handshake running on this thread, if it still holds one:
-    /// once its refusal is decided, the handshake no longer counts against the limits.
+    /// once its refusal or its admission is decided, the handshake no longer counts against
+    /// the limits.
     fn release_current() {
         let slot = CURRENT_SLOT.with(|c| c.borrow_mut().take());
         drop(slot);
