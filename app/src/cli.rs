@@ -183,13 +183,10 @@ impl Stop {
 
     /// Sleeps for `d`, or until the stop is asked for if that comes first.
     pub fn sleep(&self, d: Duration) {
-        let deadline = Instant::now() + d;
         let mut held = self.bell.0.lock();
-        while !self.is_asked() {
-            if self.bell.1.wait_until(&mut held, deadline).timed_out() {
-                return;
-            }
-        }
+        self.bell
+            .1
+            .wait_while_for(&mut held, |_| !self.is_asked(), d);
     }
 }
 
