@@ -512,6 +512,139 @@ fn an_end_of_stream_released_by_the_reorder_timeout_ends_the_device() {
     assert_eq!(receiver.reorder_stats()[0].1.gap_packets, 1);
 }
 
+/// The receiver's accepting thread waits for events, not on a clock (an idle receiver's woke 20
+/// times a second): a sender's last disconnection wakes it, and it then wakes again when that
+/// sender's next reorder timeout is due. Here the timeout (1 s) falls after the sender is gone,
+/// so only the accepting thread can give up the lost packet and release the end of stream; it
+/// must do so soon after the timeout, not at its 5 s backstop.
+#[test]
+fn a_departed_senders_reorder_timeout_is_kept_without_polling() {
+    use rdmastream::proto::header::flags;
+    use rdmastream::transport::SendBlocks;
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 256, vec![]));
+    let receiver = ReceiverHandle::start(
+        ReceiverOptions {
+            reorder: rdmastream::proto::ReorderConfig {
+                window: 64,
+                timeout: Duration::from_secs(1),
+            },
+            ..Default::default()
+        },
+        Box::new(listener),
+        Arc::new(Collect::default()),
+    )
+    .unwrap();
+    // The accepting thread is in its wait before anything happens.
+    std::thread::sleep(Duration::from_millis(200));
+    let blocks = SendBlocks::new(1, 256);
+    let mut conn = fabric
+        .connector("rx")
+        .connect(&raw_hello("departed"), Some(&key()), &blocks)
+        .unwrap();
+    let header = |packet: u16, flags: u8, frame_index: u64, len: u32| BlockHeader {
+        device: 5,
+        packet,
+        flags,
+        fragment_index: 0,
+        fragment_count: 1,
+        payload_len: len,
+        frame_index,
+        timestamp_ns: 0,
+        message_len: len,
+        duration_ns: 0,
+        pts_ns: NO_PTS,
+    };
+    // Packet 1 is lost; the end of stream (packet 2) waits behind it.
+    let written = std::time::Instant::now();
+    for (j, h, payload) in [
+        (0, header(0, flags::STREAM_START, 0, 3), &b"abc"[..]),
+        (1, header(2, flags::END_OF_STREAM, 2, 0), &b""[..]),
+    ] {
+        let mut block = vec![0u8; 256];
+        let used = h.encode_block(payload, &mut block);
+        write_raw_block(conn.as_mut(), j, 256, &block[..used]);
+    }
+    drop(conn);
+    assert!(
+        wait_until(Duration::from_secs(20), || receiver.all_senders_ended()),
+        "the end of stream was never released"
+    );
+    let took = written.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+        "released {took:?} after the blocks were written (reorder timeout 1 s, backstop 5 s)"
+    );
+    let started = std::time::Instant::now();
+    receiver.stop();
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "stop took {:?}",
+        started.elapsed()
+    );
+}
+
+/// An idle receiver stops at once, and counts a refusal as it happens: both end the accepting
+/// thread's wait (up to 5 s) instead of waiting it out. Over mem (the fabric rings the waker)
+/// and tcp (the listener's channel of refusals).
+#[test]
+fn an_idle_receiver_counts_refusals_and_stops_without_waiting_out_its_accept_wait() {
+    let fabric = MemFabric::new();
+    let over_tcp = tcp::listen("127.0.0.1:0", settings(4, 8192, vec![])).unwrap();
+    let tcp_addr = over_tcp.local_addr();
+    let cases: [Transport; 2] = [
+        (
+            "mem",
+            Box::new(fabric.listen("rx", settings(4, 8192, vec![]))),
+            Box::new(fabric.connector("rx")),
+        ),
+        (
+            "tcp",
+            Box::new(over_tcp),
+            Box::new(TcpConnector::new(tcp_addr)),
+        ),
+    ];
+    for (transport, listener, connector) in cases {
+        let receiver = ReceiverHandle::start(
+            ReceiverOptions::default(),
+            listener,
+            Arc::new(Collect::default()),
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let opts = SenderOptions {
+            name: "intruder".into(),
+            key: Some(Key::new(b"not-the-engine-test-key".to_vec()).unwrap()),
+            block_size: 8192,
+            ..Default::default()
+        };
+        let s = SenderHandle::start(opts, connector, 4).unwrap();
+        let input = s.add_device(0, DropPolicy::DropOldest);
+        input.end();
+        drop(input);
+        assert!(s.finish(Duration::from_secs(10)).is_err(), "{transport}");
+        let refused = std::time::Instant::now();
+        assert!(
+            wait_until(Duration::from_secs(20), || receiver.refused() == 1),
+            "{transport}: refused {}",
+            receiver.refused()
+        );
+        assert!(
+            refused.elapsed() < Duration::from_secs(2),
+            "{transport}: the refusal was counted {:?} after the sender read it",
+            refused.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        let started = std::time::Instant::now();
+        receiver.stop();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{transport}: stop took {:?}",
+            started.elapsed()
+        );
+    }
+}
+
 #[test]
 fn invalid_blocks_are_counted_freed_and_survived() {
     use rdmastream::transport::{Connector, RemoteAddr, SendBlocks, Target};
@@ -1487,6 +1620,12 @@ impl Listener for UnorderedListener {
             a.region = Arc::new(UnorderedRegion(a.region));
             a
         }))
+    }
+    fn waker(&self) -> rdmastream::transport::AcceptWaker {
+        self.0.waker()
+    }
+    fn refusals(&mut self) -> Vec<rdmastream::transport::Refusal> {
+        self.0.refusals()
     }
 }
 

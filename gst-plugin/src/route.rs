@@ -361,6 +361,9 @@ impl Listener for ObservedListener {
         }
         r
     }
+    fn waker(&self) -> rdmastream::transport::AcceptWaker {
+        self.inner.waker()
+    }
     fn refusals(&mut self) -> Vec<Refusal> {
         let refused = self.inner.refusals();
         for r in &refused {

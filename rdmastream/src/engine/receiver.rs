@@ -20,7 +20,7 @@ use crate::proto::{
     ReorderConfig, SenderSession, StreamEvent,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
-use crate::transport::{Accepted, Listener, RefusalKind, Region, RetainedBlock};
+use crate::transport::{AcceptWaker, Accepted, Listener, RefusalKind, Region, RetainedBlock};
 
 /// A device of a sender: what the receiver's output and stats are keyed by.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -171,6 +171,9 @@ struct Shared {
     refused: AtomicU64,
     refused_by_kind: Mutex<BTreeMap<RefusalKind, u64>>,
     stop: AtomicBool,
+    /// Ends the accepting thread's wait: at a stop, and when a sender's last connection is gone
+    /// (its reorder timeouts are the accepting thread's to check from then on).
+    waker: AcceptWaker,
 }
 
 /// A running receiver.
@@ -199,6 +202,7 @@ impl ReceiverHandle {
             refused: AtomicU64::new(0),
             refused_by_kind: Mutex::new(BTreeMap::new()),
             stop: AtomicBool::new(false),
+            waker: listener.waker(),
         });
         let pollers = Arc::new(Mutex::new(Vec::new()));
         let local_addr = listener.local_addr();
@@ -291,6 +295,7 @@ impl ReceiverHandle {
 
     fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
+        self.shared.waker.wake();
         if let Some(a) = self.accepting.take() {
             let _ = a.join();
         }
@@ -307,6 +312,13 @@ impl Drop for ReceiverHandle {
         self.shutdown();
     }
 }
+
+/// The accepting thread's longest wait. Every event it handles ends its wait early, so this is
+/// only a backstop: an idle receiver's accepting thread wakes once in this long.
+const ACCEPT_WAIT: Duration = Duration::from_secs(5);
+/// Its shortest wait for an idle sender's reorder timeout, so a timeout that is due again at
+/// once cannot make it spin.
+const ACCEPT_WAIT_MIN: Duration = Duration::from_millis(5);
 
 fn accept_loop(
     mut listener: Box<dyn Listener>,
@@ -337,10 +349,22 @@ fn accept_loop(
             .map(|(name, _)| name.clone())
             .collect();
         let now = Instant::now();
-        for name in idle {
-            check_timeouts(&shared, &name, now);
+        for name in &idle {
+            check_timeouts(&shared, name, now);
         }
-        match listener.accept(Duration::from_millis(50)) {
+        // Wait for a sender, a refusal, a stop or a sender's last disconnection (the listener
+        // returns early for each), or until the next reorder timeout of an idle sender.
+        let next_timeout = {
+            let senders = shared.senders.lock();
+            idle.iter()
+                .filter_map(|name| senders.get(name)?.session.poll_timeout())
+                .min()
+        };
+        let wait = next_timeout.map_or(ACCEPT_WAIT, |t| {
+            t.saturating_duration_since(now)
+                .clamp(ACCEPT_WAIT_MIN, ACCEPT_WAIT)
+        });
+        match listener.accept(wait) {
             Ok(Some(accepted)) => {
                 let name = accepted.hello.sender.clone();
                 tracing::info!(sender = %name, peer = %accepted.peer, transport = listener.transport(), "sender connected");
@@ -431,6 +455,7 @@ impl Drop for ConnectionGuard {
             if s.connections == 0 {
                 s.idle_since = Some(Instant::now());
                 s.session.handle_disconnected();
+                self.shared.waker.wake();
             }
         }
     }

@@ -10,14 +10,20 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use super::{
-    Accepted, Completion, Connection, Connector, Listener, Refusal, RefusalKind, Region,
-    RegionSettings, RemoteAddr, SendBlocks, SoftRegion, WriteSource, WriteWr,
+    AcceptWake, AcceptWaker, Accepted, Completion, Connection, Connector, Listener, Refusal,
+    RefusalKind, Region, RegionSettings, RemoteAddr, SendBlocks, SoftRegion, WriteSource, WriteWr,
 };
 use crate::error::{Error, Result};
 use crate::proto::RemoteLayout;
 use crate::proto::handshake::{Hello, Key};
 
-type Refusals = Arc<Mutex<Vec<Refusal>>>;
+/// The refusals the fabric keeps for a listener, and its waker, rung for each (so its accept
+/// wait ends and they are counted at once, as a network listener's are).
+#[derive(Clone)]
+struct Refusals {
+    kept: Arc<Mutex<Vec<Refusal>>>,
+    waker: AcceptWaker,
+}
 type Endpoints = HashMap<String, (RegionSettings, Sender<Accepted>, Refusals)>;
 
 /// Named in-process endpoints that senders can connect to.
@@ -35,7 +41,11 @@ impl MemFabric {
     /// A listener reachable as `name`, offering `settings` to each sender.
     pub fn listen(&self, name: &str, settings: RegionSettings) -> MemListener {
         let (tx, rx) = crossbeam_channel::unbounded();
-        let refusals = Refusals::default();
+        let wake = AcceptWake::new();
+        let refusals = Refusals {
+            kept: Arc::default(),
+            waker: wake.waker(),
+        };
         self.listeners
             .lock()
             .insert(name.to_string(), (settings, tx, refusals.clone()));
@@ -43,6 +53,7 @@ impl MemFabric {
             name: name.to_string(),
             rx,
             refusals,
+            wake,
         }
     }
 
@@ -61,6 +72,7 @@ pub struct MemListener {
     rx: Receiver<Accepted>,
     /// Connections the fabric refused on this listener's behalf (kept at most MAX_REFUSALS).
     refusals: Refusals,
+    wake: AcceptWake,
 }
 
 impl Listener for MemListener {
@@ -71,10 +83,15 @@ impl Listener for MemListener {
         format!("mem:{}", self.name)
     }
     fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
-        Ok(self.rx.recv_timeout(timeout).ok())
+        // A refusal rings the waker; no channel of refusals to wait on.
+        let none = crossbeam_channel::never::<()>();
+        Ok(self.wake.wait(&self.rx, &none, timeout))
+    }
+    fn waker(&self) -> AcceptWaker {
+        self.wake.waker()
     }
     fn refusals(&mut self) -> Vec<Refusal> {
-        std::mem::take(&mut *self.refusals.lock())
+        std::mem::take(&mut *self.refusals.kept.lock())
     }
 }
 
@@ -124,7 +141,7 @@ impl Connector for MemConnector {
         // transports': a keyed receiver needs the sender's key, a keyed sender a keyed receiver.
         // Each refusal is also kept for the listener, as the network transports keep theirs.
         let refused_as = |kind: RefusalKind, reason: String| {
-            let mut kept = refusals.lock();
+            let mut kept = refusals.kept.lock();
             if kept.len() >= super::MAX_REFUSALS {
                 kept.remove(0);
             }
@@ -133,6 +150,8 @@ impl Connector for MemConnector {
                 why: reason.clone(),
                 kind,
             });
+            drop(kept);
+            refusals.waker.wake();
             Error::Refused {
                 peer: peer.clone(),
                 reason,

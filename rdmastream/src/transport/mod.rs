@@ -754,13 +754,83 @@ pub trait Listener: Send {
     fn transport(&self) -> &'static str;
     /// Where it listens, for logs.
     fn local_addr(&self) -> String;
-    /// Waits up to `timeout` for the next sender that completed the handshake.
+    /// Waits up to `timeout` for the next sender that completed the handshake. Returns
+    /// `Ok(None)` early when a refusal waits for [`Listener::refusals`], or when its
+    /// [`Listener::waker`] is rung, so a caller can wait long and still count refusals and stop
+    /// at once.
     fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>>;
+    /// Rings the current or next [`Listener::accept`] wait out (it returns `Ok(None)`), from any
+    /// thread.
+    fn waker(&self) -> AcceptWaker;
     /// Connections turned away since the last call (bad handshake, wrong token, wrong transport,
     /// no resources, peer gone mid-handshake), oldest first. Each was logged already; this is
     /// for counters and element messages. A listener keeps at most [`MAX_REFUSALS`] of them.
-    fn refusals(&mut self) -> Vec<Refusal> {
-        Vec::new()
+    /// No default: `accept` returns early while a refusal waits, so a listener that wraps
+    /// another must pass them on, or its caller would spin.
+    fn refusals(&mut self) -> Vec<Refusal>;
+}
+
+/// Ends a [`Listener::accept`] wait from another thread: a receiver that stops, or one whose
+/// sender just lost its last connection (its reorder timeouts are the accepting thread's now).
+/// A ring before the wait ends the next wait; rings in between are merged into one.
+#[derive(Clone)]
+pub struct AcceptWaker(crossbeam_channel::Sender<()>);
+
+impl AcceptWaker {
+    /// Ends the listener's current or next wait.
+    pub fn wake(&self) {
+        let _ = self.0.try_send(());
+    }
+}
+
+/// The waiting side of an [`AcceptWaker`], kept by a listener.
+pub(crate) struct AcceptWake {
+    ring: crossbeam_channel::Sender<()>,
+    rung: crossbeam_channel::Receiver<()>,
+}
+
+impl AcceptWake {
+    pub(crate) fn new() -> AcceptWake {
+        let (ring, rung) = crossbeam_channel::bounded(1);
+        AcceptWake { ring, rung }
+    }
+
+    pub(crate) fn waker(&self) -> AcceptWaker {
+        AcceptWaker(self.ring.clone())
+    }
+
+    /// Waits up to `timeout` for the next of `accepted`, returning `None` early when `refused`
+    /// holds a refusal (left there for the caller to collect) or the waker was rung.
+    pub(crate) fn wait<R>(
+        &self,
+        accepted: &crossbeam_channel::Receiver<Accepted>,
+        refused: &crossbeam_channel::Receiver<R>,
+        timeout: Duration,
+    ) -> Option<Accepted> {
+        match accepted.try_recv() {
+            Ok(a) => return Some(a),
+            // Its accepting thread is gone (it panicked): nothing will come, so do not spin.
+            Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                let _ = self.rung.recv_timeout(timeout);
+                return None;
+            }
+            Err(crossbeam_channel::TryRecvError::Empty) => {}
+        }
+        if !refused.is_empty() || self.rung.try_recv().is_ok() {
+            return None;
+        }
+        let mut select = crossbeam_channel::Select::new();
+        let on_accepted = select.recv(accepted);
+        select.recv(refused);
+        let on_rung = select.recv(&self.rung);
+        match select.ready_timeout(timeout) {
+            Ok(i) if i == on_accepted => accepted.try_recv().ok(),
+            Ok(i) if i == on_rung => {
+                let _ = self.rung.try_recv();
+                None
+            }
+            _ => None,
+        }
     }
 }
 

@@ -1433,6 +1433,8 @@ pub struct SideChannelListener {
     thread: Option<std::thread::JoinHandle<()>>,
     accepted: Receiver<Accepted>,
     refused: Receiver<Refusal>,
+    /// Ends [`Listener::accept`]'s wait early (a receiver that stops, say).
+    accept_wake: super::AcceptWake,
 }
 
 /// How long the accepting thread sleeps after an accept failed (out of descriptors and the
@@ -1668,6 +1670,7 @@ impl SideChannelListener {
             thread: Some(thread),
             accepted,
             refused,
+            accept_wake: super::AcceptWake::new(),
         })
     }
 }
@@ -1723,7 +1726,12 @@ impl Listener for SideChannelListener {
         self.local.clone()
     }
     fn accept(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
-        Ok(self.accepted.recv_timeout(timeout).ok())
+        Ok(self
+            .accept_wake
+            .wait(&self.accepted, &self.refused, timeout))
+    }
+    fn waker(&self) -> super::AcceptWaker {
+        self.accept_wake.waker()
     }
     fn refusals(&mut self) -> Vec<Refusal> {
         self.refused.try_iter().collect()
