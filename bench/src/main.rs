@@ -540,11 +540,7 @@ fn transport_rate(
         std::thread::Builder::new()
             .name("bench-rx".into())
             .spawn(move || {
-                let acc = loop {
-                    if let Some(a) = listener.accept(Duration::from_millis(50)).unwrap() {
-                        break a;
-                    }
-                };
+                let acc = accept_own(listener.as_mut(), || false).expect("no stop");
                 let n = acc.region.layout().blocks;
                 let mut scanner = BlockScanner::default();
                 // The engine's idle policy: sleep 20 µs, doubling to 500 µs.
@@ -649,6 +645,29 @@ fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
     let _ = writer.join();
     let (t0, b0) = start.unwrap();
     (total - b0) as f64 / t0.elapsed().as_secs_f64()
+}
+
+/// The one connection a benchmark's own sender makes to `listener`, or `None` once `stopped`.
+/// A refusal is a bug in the benchmark (its sender was turned away); it is not waited past, as
+/// `accept` returns at once while a refusal is queued.
+fn accept_own(
+    listener: &mut dyn Listener,
+    stopped: impl Fn() -> bool,
+) -> Option<rdmastream::transport::Accepted> {
+    loop {
+        if stopped() {
+            return None;
+        }
+        if let Some(r) = listener.refusals().first() {
+            panic!(
+                "bench: the receiver refused the benchmark's sender: {}",
+                r.why
+            );
+        }
+        if let Some(a) = listener.accept(Duration::from_millis(50)).unwrap() {
+            return Some(a);
+        }
+    }
 }
 
 /// A benchmark knob from the environment (`BENCH_*`), if set and parseable.
@@ -954,11 +973,7 @@ fn sync_latency(n: usize, iters: usize, settings: &VerbsSettings) -> (f64, f64) 
         qp: QpInfo::default(),
     };
     let keep = std::thread::spawn(move || {
-        let a = loop {
-            if let Some(a) = listener.accept(Duration::from_millis(50)).unwrap() {
-                break a;
-            }
-        };
+        let a = accept_own(&mut listener, || false).expect("no stop");
         std::thread::sleep(Duration::from_secs(3600));
         drop(a);
     });

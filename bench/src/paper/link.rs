@@ -443,13 +443,10 @@ fn spawn_receiver(
     std::thread::Builder::new()
         .name("paper-receiver".into())
         .spawn(move || {
-            let a = loop {
-                if shared.stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                if let Some(a) = listener.accept(Duration::from_millis(50)).unwrap() {
-                    break a;
-                }
+            let Some(a) =
+                crate::accept_own(listener.as_mut(), || shared.stop.load(Ordering::Relaxed))
+            else {
+                return;
             };
             poll_status_bytes(&a, &shared);
         })
