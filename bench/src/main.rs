@@ -426,6 +426,13 @@ fn engine_messages(
     };
     // Warm up, then measure delivered frames over the window.
     std::thread::sleep(Duration::from_millis(200));
+    if pinning() {
+        // The two threads that copy over tcp: the sending thread's writev, the NIC thread's
+        // readv (a thread per connection, there by now).
+        pin_threads("sending", 0);
+        pin_threads("tcp-nic-", 1);
+        std::thread::sleep(Duration::from_millis(100));
+    }
     let (f0, t0) = (sink.frames.load(Ordering::Relaxed), Instant::now());
     std::thread::sleep(Duration::from_secs_f64(secs));
     let (f1, t1) = (sink.frames.load(Ordering::Relaxed), Instant::now());
@@ -612,39 +619,95 @@ fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
     let stop = Arc::new(AtomicBool::new(false));
     let writer = {
         let stop = stop.clone();
-        std::thread::spawn(move || {
-            let mut s = std::net::TcpStream::connect(addr).unwrap();
-            s.set_nodelay(true).unwrap();
-            let buf = vec![7u8; block];
-            while !stop.load(Ordering::Relaxed) {
-                if s.write_all(&buf).is_err() {
+        std::thread::Builder::new()
+            .name("plain-writer".into())
+            .spawn(move || {
+                let mut s = std::net::TcpStream::connect(addr).unwrap();
+                s.set_nodelay(true).unwrap();
+                let buf = vec![7u8; block];
+                while !stop.load(Ordering::Relaxed) {
+                    if s.write_all(&buf).is_err() {
+                        break;
+                    }
+                }
+            })
+            .unwrap()
+    };
+    // The reader on a thread of its own too, so that BENCH_PIN pins it and not the caller.
+    let reader = std::thread::Builder::new()
+        .name("plain-reader".into())
+        .spawn(move || {
+            let (mut r, _) = listener.accept().unwrap();
+            let mut buf = vec![0u8; block];
+            let mut total = 0u64;
+            let warm = Instant::now() + Duration::from_millis(200);
+            let mut start: Option<(Instant, u64)> = None;
+            let end = warm + Duration::from_secs_f64(secs);
+            loop {
+                r.read_exact(&mut buf).unwrap();
+                total += block as u64;
+                let now = Instant::now();
+                if start.is_none() && now >= warm {
+                    start = Some((now, total));
+                }
+                if now >= end {
                     break;
                 }
             }
+            let (t0, b0) = start.unwrap();
+            (total - b0) as f64 / t0.elapsed().as_secs_f64()
         })
+        .unwrap();
+    if pinning() {
+        // Before the 200 ms warm-up is over, as the engine's copying threads are.
+        std::thread::sleep(Duration::from_millis(20));
+        pin_threads("plain-writer", 0);
+        pin_threads("plain-reader", 1);
+    }
+    let rate = reader.join().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let _ = writer.join();
+    rate
+}
+
+/// `BENCH_PIN=1`: the two threads that copy, in plain TCP and in the engine over tcp (the
+/// sending thread and the NIC thread), each kept on a core of its own (0 and 1) for the
+/// measurement, so both run as they would with sender and receiver on separate cores or hosts,
+/// where the scheduler cannot put them on one core (README, Benchmarks, "Where the threads run").
+fn pinning() -> bool {
+    std::env::var("BENCH_PIN").is_ok_and(|v| v == "1")
+}
+
+/// Pins this process's threads whose name starts with `prefix` to core `cpu` (`taskset`), if
+/// the machine has two cores or more; says so on stderr when it cannot.
+fn pin_threads(prefix: &str, cpu: usize) {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("bench: BENCH_PIN needs two cores; not pinned");
+        return;
+    }
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        eprintln!("bench: BENCH_PIN: /proc/self/task unreadable; not pinned");
+        return;
     };
-    let (mut r, _) = listener.accept().unwrap();
-    let mut buf = vec![0u8; block];
-    let mut total = 0u64;
-    let warm = Instant::now() + Duration::from_millis(200);
-    let mut start: Option<(Instant, u64)> = None;
-    let end = warm + Duration::from_secs_f64(secs);
-    loop {
-        r.read_exact(&mut buf).unwrap();
-        total += block as u64;
-        let now = Instant::now();
-        if start.is_none() && now >= warm {
-            start = Some((now, total));
+    let mut pinned = 0;
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if !comm.trim_end().starts_with(prefix) {
+            continue;
         }
-        if now >= end {
-            break;
+        let tid = task.file_name().to_string_lossy().into_owned();
+        let done = Command::new("taskset")
+            .args(["-p", "-c", &cpu.to_string(), &tid])
+            .stdout(Stdio::null())
+            .status();
+        match done {
+            Ok(s) if s.success() => pinned += 1,
+            other => eprintln!("bench: BENCH_PIN: taskset for thread {tid} ({prefix}…): {other:?}"),
         }
     }
-    stop.store(true, Ordering::Relaxed);
-    drop(r);
-    let _ = writer.join();
-    let (t0, b0) = start.unwrap();
-    (total - b0) as f64 / t0.elapsed().as_secs_f64()
+    if pinned == 0 {
+        eprintln!("bench: BENCH_PIN: no thread named {prefix}… to pin");
+    }
 }
 
 /// The one connection a benchmark's own sender makes to `listener`, or `None` once `stopped`.
