@@ -454,71 +454,15 @@ fn write_raw_block(
     conn.post_write_chain(j as u64, &chain).unwrap();
 }
 
-/// An end of stream that waited behind a lost packet is released by the reorder timeout, not by
-/// a block: the device still counts as ended, so `--exit-after-eos` can finish.
-#[test]
-fn an_end_of_stream_released_by_the_reorder_timeout_ends_the_device() {
-    use rdmastream::proto::header::flags;
-    use rdmastream::proto::{BlockHeader, NO_PTS};
-    use rdmastream::transport::{Connector, SendBlocks};
-    let fabric = MemFabric::new();
-    let listener = fabric.listen("rx", settings(4, 256, vec![]));
-    let sink = Arc::new(Collect::default());
-    let receiver = ReceiverHandle::start(
-        ReceiverOptions {
-            reorder: rdmastream::proto::ReorderConfig {
-                window: 64,
-                timeout: Duration::from_millis(50),
-            },
-            ..Default::default()
-        },
-        Box::new(listener),
-        sink.clone(),
-    )
-    .unwrap();
-    let blocks = SendBlocks::new(1, 256);
-    let mut conn = fabric
-        .connector("rx")
-        .connect(&raw_hello("lossy"), Some(&key()), &blocks)
-        .unwrap();
-    let header = |packet: u16, flags: u8, frame_index: u64, len: u32| BlockHeader {
-        device: 3,
-        packet,
-        flags,
-        fragment_index: 0,
-        fragment_count: 1,
-        payload_len: len,
-        frame_index,
-        timestamp_ns: 0,
-        message_len: len,
-        duration_ns: 0,
-        pts_ns: NO_PTS,
-    };
-    // Packet 0 starts the stream with a frame, packet 1 is lost, packet 2 ends the stream.
-    for (j, h, payload) in [
-        (0, header(0, flags::STREAM_START, 0, 3), &b"abc"[..]),
-        (1, header(2, flags::END_OF_STREAM, 2, 0), &b""[..]),
-    ] {
-        let mut block = vec![0u8; 256];
-        let used = h.encode_block(payload, &mut block);
-        write_raw_block(conn.as_mut(), j, 256, &block[..used]);
-    }
-    drop(conn);
-    assert!(
-        wait_until(Duration::from_secs(20), || receiver.all_senders_ended()),
-        "the device's end of stream did not count: {:?}",
-        sink.frames.lock().unwrap()
-    );
-    assert_eq!(receiver.reorder_stats()[0].1.gap_packets, 1);
-}
-
-/// The receiver's accepting thread waits for events, not on a clock (an idle receiver's woke 20
-/// times a second): a sender's last disconnection wakes it, and it then wakes again when that
-/// sender's next reorder timeout is due. Here the timeout (1 s) falls after the sender is gone,
-/// so only the accepting thread can give up the lost packet and release the end of stream; it
-/// must do so soon after the timeout, not at its 5 s backstop.
-#[test]
-fn a_departed_senders_reorder_timeout_is_kept_without_polling() {
+/// A receiver over mem whose reorder timeout is `timeout`, with one sender (`name`) that wrote a
+/// stream of `device` with a lost packet and hung up: packet 0 starts it with a frame, packet 1
+/// is lost, packet 2 ends it. Only the reorder timeout can release the end. Returns the
+/// receiver and when the blocks were written.
+fn lossy_stream_then_gone(
+    name: &str,
+    device: u8,
+    timeout: Duration,
+) -> (ReceiverHandle, std::time::Instant) {
     use rdmastream::proto::header::flags;
     use rdmastream::transport::SendBlocks;
     let fabric = MemFabric::new();
@@ -527,7 +471,7 @@ fn a_departed_senders_reorder_timeout_is_kept_without_polling() {
         ReceiverOptions {
             reorder: rdmastream::proto::ReorderConfig {
                 window: 64,
-                timeout: Duration::from_secs(1),
+                timeout,
             },
             ..Default::default()
         },
@@ -540,10 +484,10 @@ fn a_departed_senders_reorder_timeout_is_kept_without_polling() {
     let blocks = SendBlocks::new(1, 256);
     let mut conn = fabric
         .connector("rx")
-        .connect(&raw_hello("departed"), Some(&key()), &blocks)
+        .connect(&raw_hello(name), Some(&key()), &blocks)
         .unwrap();
     let header = |packet: u16, flags: u8, frame_index: u64, len: u32| BlockHeader {
-        device: 5,
+        device,
         packet,
         flags,
         fragment_index: 0,
@@ -555,7 +499,6 @@ fn a_departed_senders_reorder_timeout_is_kept_without_polling() {
         duration_ns: 0,
         pts_ns: NO_PTS,
     };
-    // Packet 1 is lost; the end of stream (packet 2) waits behind it.
     let written = std::time::Instant::now();
     for (j, h, payload) in [
         (0, header(0, flags::STREAM_START, 0, 3), &b"abc"[..]),
@@ -566,6 +509,29 @@ fn a_departed_senders_reorder_timeout_is_kept_without_polling() {
         write_raw_block(conn.as_mut(), j, 256, &block[..used]);
     }
     drop(conn);
+    (receiver, written)
+}
+
+/// An end of stream that waited behind a lost packet is released by the reorder timeout, not by
+/// a block: the device still counts as ended, so `--exit-after-eos` can finish.
+#[test]
+fn an_end_of_stream_released_by_the_reorder_timeout_ends_the_device() {
+    let (receiver, _) = lossy_stream_then_gone("lossy", 3, Duration::from_millis(50));
+    assert!(
+        wait_until(Duration::from_secs(20), || receiver.all_senders_ended()),
+        "the device's end of stream did not count"
+    );
+    assert_eq!(receiver.reorder_stats()[0].1.gap_packets, 1);
+}
+
+/// The receiver's accepting thread waits for events, not on a clock (an idle receiver's woke 20
+/// times a second): a sender's last disconnection wakes it, and it then wakes again when that
+/// sender's next reorder timeout is due. Here the timeout (1 s) falls after the sender is gone,
+/// so only the accepting thread can give up the lost packet and release the end of stream; it
+/// must do so soon after the timeout, not at its 5 s backstop.
+#[test]
+fn a_departed_senders_reorder_timeout_is_kept_without_polling() {
+    let (receiver, written) = lossy_stream_then_gone("departed", 5, Duration::from_secs(1));
     assert!(
         wait_until(Duration::from_secs(20), || receiver.all_senders_ended()),
         "the end of stream was never released"
