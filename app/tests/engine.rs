@@ -1311,7 +1311,7 @@ fn a_receivers_notice_reaches_the_sender_and_ends_nothing() {
             .connect(&raw_hello("told"), Some(&key()), &blocks)
             .unwrap();
         let accepted = listener
-            .accept(Duration::from_secs(5))
+            .accept_sender(Duration::from_secs(5))
             .unwrap()
             .expect("the sender was accepted");
         let sent = Notice::new(7, "device-id 7 is already taken at this receiver");

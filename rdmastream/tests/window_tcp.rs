@@ -61,7 +61,7 @@ fn connect() -> Connected {
         .connect_window(&hello(WINDOW), None, &blocks)
         .expect("connect");
     let accepted: Accepted = listener
-        .accept(DEADLINE)
+        .accept_sender(DEADLINE)
         .expect("accept")
         .expect("the sender was accepted");
     assert_eq!(accepted.hello.mechanism, WINDOW);

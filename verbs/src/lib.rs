@@ -1409,7 +1409,12 @@ mod isolation_tests {
         let a = raw_sender(&ctx, &settings, &addr, "a");
         let b = raw_sender(&ctx, &settings, &addr, "b");
         let accepted: Vec<_> = (0..2)
-            .map(|_| listener.accept(Duration::from_secs(10)).unwrap().unwrap())
+            .map(|_| {
+                listener
+                    .accept_sender(Duration::from_secs(10))
+                    .unwrap()
+                    .unwrap()
+            })
             .collect();
         assert_ne!(a.welcome.blocks_rkey, b.welcome.blocks_rkey);
         for byte in b.mr.atomic_bytes() {

@@ -37,6 +37,8 @@ struct Pair {
     _dir: tempfile::TempDir,
     addr: String,
     listener: rdmastream::transport::tcp::SideChannelListener,
+    /// Refusals collected while waiting for a sender in [`Pair::connect`].
+    refused: Vec<rdmastream::transport::Refusal>,
 }
 
 fn listen(settings: RegionSettings) -> Pair {
@@ -47,6 +49,7 @@ fn listen(settings: RegionSettings) -> Pair {
         addr: format!("unix:{}", path.display()),
         _dir: dir,
         listener,
+        refused: Vec::new(),
     }
 }
 
@@ -61,11 +64,18 @@ impl Pair {
             .unwrap()
             .connect(&hello(name, 4096), key, &blocks)
             .unwrap();
-        let accepted = self
-            .listener
-            .accept(Duration::from_secs(10))
-            .unwrap()
-            .expect("accepted");
+        // `accept` returns early while a refusal waits: keep them for the test to look at.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let accepted = loop {
+            if let Some(a) = self.listener.accept(Duration::from_millis(100)).unwrap() {
+                break a;
+            }
+            self.refused.extend(self.listener.refusals());
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name} was not accepted"
+            );
+        };
         (conn, accepted, blocks)
     }
 }
@@ -306,7 +316,7 @@ fn keys_block_size_and_data_path_are_checked_as_on_every_transport() {
     assert_eq!(conn.layout().blocks, 2);
     assert_eq!(accepted.hello.sender, "edge-a");
     // The sender without a key gives up after the challenge: the receiver sees no proof.
-    let mut refused = Vec::new();
+    let mut refused: Vec<_> = pair.refused.iter().map(|r| r.kind.name()).collect();
     assert!(wait_for(Duration::from_secs(20), || {
         refused.extend(pair.listener.refusals().iter().map(|r| r.kind.name()));
         refused.len() >= 4

@@ -768,6 +768,23 @@ pub trait Listener: Send {
     /// No default: `accept` returns early while a refusal waits, so a listener that wraps
     /// another must pass them on, or its caller would spin.
     fn refusals(&mut self) -> Vec<Refusal>;
+    /// Waits up to `timeout` for the next admitted sender, setting aside the refusals and
+    /// wake-ups that end [`Listener::accept`] early (for a caller that wants a sender and nothing
+    /// else: a test that was refused on purpose before, say); the refusals it sets aside are not
+    /// returned by [`Listener::refusals`] any more. `Ok(None)` once `timeout` is over.
+    fn accept_sender(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if let Some(a) = self.accept(left)? {
+                return Ok(Some(a));
+            }
+            if left.is_zero() {
+                return Ok(None);
+            }
+            self.refusals();
+        }
+    }
 }
 
 /// Ends a [`Listener::accept`] wait from another thread: a receiver that stops, or one whose
