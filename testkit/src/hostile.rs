@@ -92,8 +92,8 @@ pub fn authenticated(
 }
 
 /// Runs a handshake `attempt` again, 20 ms apart for up to a second, while `silent` says the
-/// receiver closed it without a word: the per-address handshake limit (see [`authenticated`]). The last attempt's outcome is returned
-/// whatever it is.
+/// receiver closed it without a word: the per-address handshake limit (see [`authenticated`]).
+/// The last attempt's outcome is returned whatever it is.
 fn again_while_closed_silently<T>(
     mut attempt: impl FnMut() -> T,
     silent: impl Fn(&T) -> bool,

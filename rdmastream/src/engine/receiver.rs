@@ -349,17 +349,12 @@ fn accept_loop(
             .map(|(name, _)| name.clone())
             .collect();
         let now = Instant::now();
-        for name in &idle {
-            check_timeouts(&shared, name, now);
-        }
         // Wait for a sender, a refusal, a stop or a sender's last disconnection (the listener
         // returns early for each), or until the next reorder timeout of an idle sender.
-        let next_timeout = {
-            let senders = shared.senders.lock();
-            idle.iter()
-                .filter_map(|name| senders.get(name)?.session.poll_timeout())
-                .min()
-        };
+        let next_timeout = idle
+            .iter()
+            .filter_map(|name| check_timeouts(&shared, name, now))
+            .min();
         let wait = next_timeout.map_or(ACCEPT_WAIT, |t| {
             t.saturating_duration_since(now)
                 .clamp(ACCEPT_WAIT_MIN, ACCEPT_WAIT)
@@ -761,17 +756,22 @@ fn publish(shared: &Shared, name: &str, session: u64, released: Released) {
     deliver(shared, &key, session, released.events);
 }
 
-fn check_timeouts(shared: &Shared, name: &str, now: Instant) {
-    let (session, released) = {
+/// Gives up what is due of `name`'s reorder timeouts; returns its next one, if any.
+fn check_timeouts(shared: &Shared, name: &str, now: Instant) -> Option<Instant> {
+    let (session, released, next) = {
         let mut senders = shared.senders.lock();
-        let Some(state) = senders.get_mut(name) else {
-            return;
-        };
-        (state.session.session(), state.session.handle_timeouts(now))
+        let state = senders.get_mut(name)?;
+        let released = state.session.handle_timeouts(now);
+        (
+            state.session.session(),
+            released,
+            state.session.poll_timeout(),
+        )
     };
     for r in released {
         publish(shared, name, session, r);
     }
+    next
 }
 
 #[cfg(test)]

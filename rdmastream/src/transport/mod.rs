@@ -833,9 +833,7 @@ impl AcceptWake {
             }
             Err(crossbeam_channel::TryRecvError::Empty) => {}
         }
-        if !refused.is_empty() || self.rung.try_recv().is_ok() {
-            return None;
-        }
+        // A refusal already queued or a ring already sent makes this return at once.
         let mut select = crossbeam_channel::Select::new();
         let on_accepted = select.recv(accepted);
         select.recv(refused);
