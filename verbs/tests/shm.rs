@@ -65,17 +65,11 @@ impl Pair {
             .connect(&hello(name, 4096), key, &blocks)
             .unwrap();
         // `accept` returns early while a refusal waits: keep them for the test to look at.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let accepted = loop {
-            if let Some(a) = self.listener.accept(Duration::from_millis(100)).unwrap() {
-                break a;
-            }
-            self.refused.extend(self.listener.refusals());
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{name} was not accepted"
-            );
-        };
+        let accepted = self
+            .listener
+            .accept_sender_keeping(Duration::from_secs(10), &mut self.refused)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{name} was not accepted"));
         (conn, accepted, blocks)
     }
 }

@@ -773,16 +773,23 @@ pub trait Listener: Send {
     /// else: a test that was refused on purpose before, say); the refusals it sets aside are not
     /// returned by [`Listener::refusals`] any more. `Ok(None)` once `timeout` is over.
     fn accept_sender(&mut self, timeout: Duration) -> Result<Option<Accepted>> {
+        self.accept_sender_keeping(timeout, &mut Vec::new())
+    }
+    /// As [`Listener::accept_sender`], adding the refusals it sets aside to `refused` in the
+    /// order they came (for a caller that counts them, or treats any as a failure).
+    fn accept_sender_keeping(
+        &mut self,
+        timeout: Duration,
+        refused: &mut Vec<Refusal>,
+    ) -> Result<Option<Accepted>> {
         let deadline = std::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if let Some(a) = self.accept(left)? {
-                return Ok(Some(a));
+            let accepted = self.accept(left)?;
+            refused.extend(self.refusals());
+            if accepted.is_some() || left.is_zero() {
+                return Ok(accepted);
             }
-            if left.is_zero() {
-                return Ok(None);
-            }
-            self.refusals();
         }
     }
 }
