@@ -16,8 +16,10 @@
 //! [--seconds S]`;
 //! in the Soft-RoCE VM (`scripts/bench-vm.sh [verbs|verbs-sync]`): `verbs`, `verbs-sync [--rounds R]`.
 //! `region-tcp [--block BYTES] [--rounds R] [--seconds S]`: the engine over tcp (frames written
-//! in place) with the default 16 receiver blocks next to a region of at least 4 MiB, between
-//! plain TCP copies, round after round (default 64 KiB, 8 rounds of 3 s).
+//! in place) with the default 16 receiver blocks next to a region of at least 4 MiB, and plain
+//! TCP over 16 buffers, between plain TCP copies, round after round (default 64 KiB, 8 rounds of
+//! 3 s). `plain-tcp [--block BYTES] [--buffers N]`: plain TCP alone, copying from and into N
+//! buffers in turn (default 1).
 //! `frame-cpu`: what one 640×480 RGB frame costs the CPU outside the transport (the filling
 //! copy, the CRC32C seal, the receiver's validation), here or in the VM, to compare the two;
 //! with the in-place paths beside the copying one. `frame-instr [--rounds R]`: the same steps
@@ -173,7 +175,7 @@ fn main() {
         "transport-tcp" | "plain-tcp" => {
             let block = opt("--block", 1048576.0) as usize;
             let rate = if what == "plain-tcp" {
-                plain_tcp_rate(block, seconds)
+                plain_tcp_rate_over(block, seconds, opt("--buffers", 1.0) as usize)
             } else {
                 let (l, c) = loopback_tcp(block);
                 transport_rate(block, seconds, l, c)
@@ -614,6 +616,15 @@ fn transport_rate(
 
 /// Plain TCP loopback copy of `block`-byte messages for `secs`; bytes per second.
 fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
+    plain_tcp_rate_over(block, secs, 1)
+}
+
+/// [`plain_tcp_rate`] with the writer writing from `buffers` buffers of `block` bytes in turn
+/// and the reader reading into as many: one (the plain copy the targets are measured against)
+/// keeps both ends' buffer in cache; the engine's send blocks and receiver's region are 16
+/// (or more) blocks each, which a copy walks through in turn as well (`region-tcp`'s column).
+fn plain_tcp_rate_over(block: usize, secs: f64, buffers: usize) -> f64 {
+    let buffers = buffers.max(1);
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = Arc::new(AtomicBool::new(false));
@@ -624,9 +635,9 @@ fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
             .spawn(move || {
                 let mut s = std::net::TcpStream::connect(addr).unwrap();
                 s.set_nodelay(true).unwrap();
-                let buf = vec![7u8; block];
-                while !stop.load(Ordering::Relaxed) {
-                    if s.write_all(&buf).is_err() {
+                let bufs: Vec<Vec<u8>> = (0..buffers).map(|_| vec![7u8; block]).collect();
+                for buf in bufs.iter().cycle() {
+                    if stop.load(Ordering::Relaxed) || s.write_all(buf).is_err() {
                         break;
                     }
                 }
@@ -638,13 +649,15 @@ fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
         .name("plain-reader".into())
         .spawn(move || {
             let (mut r, _) = listener.accept().unwrap();
-            let mut buf = vec![0u8; block];
+            let mut bufs: Vec<Vec<u8>> = (0..buffers).map(|_| vec![0u8; block]).collect();
+            let mut next = 0;
             let mut total = 0u64;
             let warm = Instant::now() + Duration::from_millis(200);
             let mut start: Option<(Instant, u64)> = None;
             let end = warm + Duration::from_secs_f64(secs);
             loop {
-                r.read_exact(&mut buf).unwrap();
+                r.read_exact(&mut bufs[next]).unwrap();
+                next = (next + 1) % buffers;
                 total += block as u64;
                 let now = Instant::now();
                 if start.is_none() && now >= warm {
@@ -721,14 +734,18 @@ fn accept_own(
         if stopped() {
             return None;
         }
-        if let Some(r) = listener.refusals().first() {
+        let mut refused = Vec::new();
+        let accepted = listener
+            .accept_sender_keeping(Duration::from_millis(50), &mut refused)
+            .unwrap();
+        if let Some(r) = refused.first() {
             panic!(
                 "bench: the receiver refused the benchmark's sender: {}",
                 r.why
             );
         }
-        if let Some(a) = listener.accept(Duration::from_millis(50)).unwrap() {
-            return Some(a);
+        if accepted.is_some() {
+            return accepted;
         }
     }
 }
@@ -756,10 +773,13 @@ static BLOCKS_NOW: AtomicUsize = AtomicUsize::new(0);
 const REGION_BYTES: usize = rdmastream_app::config::TCP_REGION_BYTES;
 
 /// `region-tcp`: at one block size, the whole engine over tcp with frames written in place and
-/// a region of 16 blocks (the default) next to one of at least [`REGION_BYTES`], between two
-/// plain TCP copies, round after round; each engine's rate ÷ the mean of its round's two plain
-/// TCP rates. A region smaller than what the loopback holds in flight leaves the sender waiting
-/// for syncs to find a block free (README, Benchmarks, "At 64 KiB, the region's size").
+/// a region of 16 blocks (the default) next to one of at least [`REGION_BYTES`], and plain TCP
+/// copying from and into 16 buffers in turn (as the engine's send blocks and region are walked
+/// through), between two plain TCP copies of one buffer, round after round; each rate ÷ the
+/// mean of its round's two plain TCP rates, and the engine's ÷ the 16 buffers' too. A region
+/// smaller than what the loopback holds in flight leaves the sender waiting for syncs to find a
+/// block free (README, Benchmarks, "At 64 KiB, the region's size"); 16 buffers of 1 MiB and
+/// more do not stay in cache (README, "What one buffer saves plain TCP").
 fn region_tcp(block: usize, rounds: usize, secs: f64) {
     if block < 1024 || rounds == 0 {
         eprintln!("bench region-tcp: --block must be 1024 bytes or more and --rounds at least 1");
@@ -771,16 +791,18 @@ fn region_tcp(block: usize, rounds: usize, secs: f64) {
         human(block)
     );
     println!(
-        "{:>5} {:>10} {:>16} {:>16} {:>10} {:>8} {:>8}",
+        "{:>5} {:>10} {:>16} {:>16} {:>13} {:>10} {:>8} {:>8} {:>8}",
         "round",
         "plain TCP",
         format!("16 blocks ({})", human(16 * block)),
         format!("{big} blocks ({})", human(big * block)),
+        "plain 16 buf",
         "plain TCP",
         "16 ÷",
-        format!("{big} ÷")
+        format!("{big} ÷"),
+        "16 buf ÷"
     );
-    let mut ratios = (Vec::new(), Vec::new());
+    let mut ratios = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let place = |blocks: usize| {
         BLOCKS_NOW.store(blocks, Ordering::Relaxed);
         let (l, c) = loopback_tcp(block);
@@ -790,41 +812,52 @@ fn region_tcp(block: usize, rounds: usize, secs: f64) {
     };
     for round in 1..=rounds {
         let before = plain_tcp_rate(block, secs);
-        // Which region goes first alternates, so neither always follows plain TCP.
-        let (small, large) = if round % 2 == 1 {
+        // The order alternates, so no run always follows plain TCP of one buffer.
+        let (small, large, spread) = if round % 2 == 1 {
             let s = place(16);
-            (s, place(big))
-        } else {
             let b = place(big);
-            (place(16), b)
+            (s, b, plain_tcp_rate_over(block, secs, 16))
+        } else {
+            let r = plain_tcp_rate_over(block, secs, 16);
+            let b = place(big);
+            (place(16), b, r)
         };
         let after = plain_tcp_rate(block, secs);
         let plain = (before + after) / 2.0;
         ratios.0.push(small / plain);
         ratios.1.push(large / plain);
+        ratios.2.push(spread / plain);
+        ratios.3.push(small / spread);
         println!(
-            "{round:>5} {:>10.1} {:>16.1} {:>16.1} {:>10.1} {:>7.0}% {:>7.0}%",
+            "{round:>5} {:>10.1} {:>16.1} {:>16.1} {:>13.1} {:>10.1} {:>7.0}% {:>7.0}% {:>7.0}%",
             before / 1e6,
             small / 1e6,
             large / 1e6,
+            spread / 1e6,
             after / 1e6,
             100.0 * small / plain,
-            100.0 * large / plain
+            100.0 * large / plain,
+            100.0 * spread / plain
         );
     }
-    let range = |v: &[f64]| {
+    let range = |v: &[f64], mark: bool| {
         let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
         let hi = v.iter().copied().fold(0.0, f64::max);
         let at_least = v.iter().filter(|&&r| r >= 0.8).count();
-        format!(
-            "{:.0}–{:.0} % (≥ 80 % in {at_least} of {})",
-            100.0 * lo,
-            100.0 * hi,
-            v.len()
-        )
+        let count = if mark {
+            format!(" (≥ 80 % in {at_least} of {})", v.len())
+        } else {
+            String::new()
+        };
+        format!("{:.0}–{:.0} %{count}", 100.0 * lo, 100.0 * hi)
     };
-    println!("16 blocks: {}", range(&ratios.0));
-    println!("{big} blocks: {}", range(&ratios.1));
+    println!("16 blocks: {}", range(&ratios.0, true));
+    println!("{big} blocks: {}", range(&ratios.1, true));
+    println!("plain TCP over 16 buffers: {}", range(&ratios.2, false));
+    println!(
+        "16 blocks ÷ plain TCP over 16 buffers: {}",
+        range(&ratios.3, false)
+    );
 }
 
 /// A Unix socket for the shm transport's benchmarks, in a directory of its own that goes away
