@@ -293,6 +293,17 @@ fn block_rate(
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
+    block_measured(block, frames, secs, listener, connector).rate
+}
+
+/// [`block_rate`] with the CPUs busy meanwhile.
+fn block_measured(
+    block: usize,
+    frames: Frames,
+    secs: f64,
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+) -> Measured {
     let m = Small {
         len: payload_capacity(block),
         reliable: frames == Frames::Lossless,
@@ -300,7 +311,50 @@ fn block_rate(
         lend: frames != Frames::Lossless,
         place: frames == Frames::Placed,
     };
-    engine_messages(block, m, secs, listener, connector) * block as f64
+    let per_message = engine_measured(block, m, secs, listener, connector);
+    Measured {
+        rate: per_message.rate * block as f64,
+        ..per_message
+    }
+}
+
+/// One measured window: units (bytes or messages) per second, and how many CPUs the machine
+/// kept busy meanwhile ([`busy_cpu`]).
+#[derive(Clone, Copy)]
+struct Measured {
+    rate: f64,
+    cpus: f64,
+}
+
+impl Measured {
+    /// CPU seconds per unit moved.
+    fn cost(&self) -> f64 {
+        self.cpus / self.rate
+    }
+}
+
+/// CPU time the machine has been busy so far, all CPUs together: `/proc/stat`'s first line
+/// (user, nice, system, irq and softirq, in the kernel's fixed 1/100 s ticks). Machine-
+/// wide, so that loopback TCP's receive processing counts wherever the kernel runs it (in the
+/// sending thread, or in `ksoftirqd`, which ran about twice as long beside the engine as
+/// beside plain TCP); so it also counts whatever else runs: measure on a quiet machine.
+fn busy_cpu() -> Duration {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return Duration::ZERO;
+    };
+    let ticks: u64 = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .enumerate()
+        // user, nice, system, idle, iowait, irq, softirq, steal, guest, guest_nice: guest time
+        // is already in user and nice; steal is another guest's.
+        .filter(|(i, _)| matches!(i, 0 | 1 | 2 | 5 | 6))
+        .filter_map(|(_, v)| v.parse::<u64>().ok())
+        .sum();
+    Duration::from_millis(ticks * 10)
 }
 
 /// Whose frames [`block_rate`] measures.
@@ -340,6 +394,17 @@ fn engine_messages(
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
+    engine_measured(block, m, secs, listener, connector).rate
+}
+
+/// [`engine_messages`] with the CPUs busy meanwhile.
+fn engine_measured(
+    block: usize,
+    m: Small,
+    secs: f64,
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+) -> Measured {
     let sink = Arc::new(CountingSink::default());
     // BENCH_POLL_MAX_US caps the receiver's idle sleep (default 500 µs), to see what it costs.
     let mut receiver_opts = ReceiverOptions::default();
@@ -435,9 +500,17 @@ fn engine_messages(
         pin_threads("tcp-nic-", 1);
         std::thread::sleep(Duration::from_millis(100));
     }
-    let (f0, t0) = (sink.frames.load(Ordering::Relaxed), Instant::now());
+    let (f0, t0, c0) = (
+        sink.frames.load(Ordering::Relaxed),
+        Instant::now(),
+        busy_cpu(),
+    );
     std::thread::sleep(Duration::from_secs_f64(secs));
-    let (f1, t1) = (sink.frames.load(Ordering::Relaxed), Instant::now());
+    let (f1, t1, c1) = (
+        sink.frames.load(Ordering::Relaxed),
+        Instant::now(),
+        busy_cpu(),
+    );
     stop.store(true, Ordering::Relaxed);
     source.join().unwrap();
     let report = sender.finish(Duration::from_secs(10));
@@ -447,7 +520,11 @@ fn engine_messages(
         eprintln!("sender: {:?}", r.machine);
     }
     receiver.stop();
-    (f1 - f0) as f64 / (t1 - t0).as_secs_f64()
+    let window = (t1 - t0).as_secs_f64();
+    Measured {
+        rate: (f1 - f0) as f64 / window,
+        cpus: (c1 - c0).as_secs_f64() / window,
+    }
 }
 
 /// Small messages (64 B … 1 KiB) of a live device: messages per second through the whole
@@ -624,6 +701,11 @@ fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
 /// keeps both ends' buffer in cache; the engine's send blocks and receiver's region are 16
 /// (or more) blocks each, which a copy walks through in turn as well (`region-tcp`'s column).
 fn plain_tcp_rate_over(block: usize, secs: f64, buffers: usize) -> f64 {
+    plain_tcp_measured(block, secs, buffers).rate
+}
+
+/// [`plain_tcp_rate_over`] with the CPUs busy meanwhile.
+fn plain_tcp_measured(block: usize, secs: f64, buffers: usize) -> Measured {
     let buffers = buffers.max(1);
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
@@ -653,7 +735,7 @@ fn plain_tcp_rate_over(block: usize, secs: f64, buffers: usize) -> f64 {
             let mut next = 0;
             let mut total = 0u64;
             let warm = Instant::now() + Duration::from_millis(200);
-            let mut start: Option<(Instant, u64)> = None;
+            let mut start: Option<(Instant, u64, Duration)> = None;
             let end = warm + Duration::from_secs_f64(secs);
             loop {
                 r.read_exact(&mut bufs[next]).unwrap();
@@ -661,14 +743,18 @@ fn plain_tcp_rate_over(block: usize, secs: f64, buffers: usize) -> f64 {
                 total += block as u64;
                 let now = Instant::now();
                 if start.is_none() && now >= warm {
-                    start = Some((now, total));
+                    start = Some((now, total, busy_cpu()));
                 }
                 if now >= end {
                     break;
                 }
             }
-            let (t0, b0) = start.unwrap();
-            (total - b0) as f64 / t0.elapsed().as_secs_f64()
+            let (t0, b0, c0) = start.unwrap();
+            let window = t0.elapsed().as_secs_f64();
+            Measured {
+                rate: (total - b0) as f64 / window,
+                cpus: (busy_cpu() - c0).as_secs_f64() / window,
+            }
         })
         .unwrap();
     if pinning() {
@@ -791,7 +877,10 @@ fn region_tcp(block: usize, rounds: usize, secs: f64) {
         human(block)
     );
     println!(
-        "{:>5} {:>10} {:>16} {:>16} {:>13} {:>10} {:>8} {:>8} {:>8}",
+        "   cpu ÷: CPU time per byte moved (all of the machine's CPUs), engine with 16 blocks ÷ plain TCP (one buffer)"
+    );
+    println!(
+        "{:>5} {:>10} {:>16} {:>16} {:>13} {:>10} {:>8} {:>8} {:>8} {:>6}",
         "round",
         "plain TCP",
         format!("16 blocks ({})", human(16 * block)),
@@ -800,44 +889,48 @@ fn region_tcp(block: usize, rounds: usize, secs: f64) {
         "plain TCP",
         "16 ÷",
         format!("{big} ÷"),
-        "16 buf ÷"
+        "16 buf ÷",
+        "cpu ÷"
     );
-    let mut ratios = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut ratios = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let place = |blocks: usize| {
         BLOCKS_NOW.store(blocks, Ordering::Relaxed);
         let (l, c) = loopback_tcp(block);
-        let rate = block_rate(block, Frames::Placed, secs, l, c);
+        let measured = block_measured(block, Frames::Placed, secs, l, c);
         BLOCKS_NOW.store(0, Ordering::Relaxed);
-        rate
+        measured
     };
     for round in 1..=rounds {
-        let before = plain_tcp_rate(block, secs);
+        let before = plain_tcp_measured(block, secs, 1);
         // The order alternates, so no run always follows plain TCP of one buffer.
         let (small, large, spread) = if round % 2 == 1 {
             let s = place(16);
             let b = place(big);
-            (s, b, plain_tcp_rate_over(block, secs, 16))
+            (s, b.rate, plain_tcp_rate_over(block, secs, 16))
         } else {
             let r = plain_tcp_rate_over(block, secs, 16);
             let b = place(big);
-            (place(16), b, r)
+            (place(16), b.rate, r)
         };
-        let after = plain_tcp_rate(block, secs);
-        let plain = (before + after) / 2.0;
-        ratios.0.push(small / plain);
+        let after = plain_tcp_measured(block, secs, 1);
+        let plain = (before.rate + after.rate) / 2.0;
+        let plain_cost = (before.cost() + after.cost()) / 2.0;
+        ratios.0.push(small.rate / plain);
         ratios.1.push(large / plain);
         ratios.2.push(spread / plain);
-        ratios.3.push(small / spread);
+        ratios.3.push(small.rate / spread);
+        ratios.4.push(small.cost() / plain_cost);
         println!(
-            "{round:>5} {:>10.1} {:>16.1} {:>16.1} {:>13.1} {:>10.1} {:>7.0}% {:>7.0}% {:>7.0}%",
-            before / 1e6,
-            small / 1e6,
+            "{round:>5} {:>10.1} {:>16.1} {:>16.1} {:>13.1} {:>10.1} {:>7.0}% {:>7.0}% {:>7.0}% {:>6.2}",
+            before.rate / 1e6,
+            small.rate / 1e6,
             large / 1e6,
             spread / 1e6,
-            after / 1e6,
-            100.0 * small / plain,
+            after.rate / 1e6,
+            100.0 * small.rate / plain,
             100.0 * large / plain,
-            100.0 * spread / plain
+            100.0 * spread / plain,
+            small.cost() / plain_cost
         );
     }
     let range = |v: &[f64], mark: bool| {
@@ -857,6 +950,10 @@ fn region_tcp(block: usize, rounds: usize, secs: f64) {
     println!(
         "16 blocks ÷ plain TCP over 16 buffers: {}",
         range(&ratios.3, false)
+    );
+    println!(
+        "CPU per byte, 16 blocks ÷ plain TCP: {}",
+        range(&ratios.4, false)
     );
 }
 
