@@ -209,7 +209,7 @@ fn main() {
             } else {
                 loopback_tcp(block)
             };
-            let rate = block_rate(block, frames, seconds, l, c);
+            let rate = block_rate(block, frames, seconds, l, c).rate;
             println!("{what}, {} blocks: {:.1} MB/s", human(block), rate / 1e6);
         }
         "region-tcp" => region_tcp(
@@ -278,26 +278,15 @@ fn engine_rate(
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> f64 {
-    block_rate(block, Frames::Lossless, secs, listener, connector)
+    block_rate(block, Frames::Lossless, secs, listener, connector).rate
 }
 
-/// Block-filling frames, bytes per second: of a lossless device ([`engine_rate`]); of a live
+/// Block-filling frames, bytes per second (and the CPUs busy meanwhile): of a lossless device ([`engine_rate`]); of a live
 /// one whose sender lends receiver's blocks where the transport can (shm): its filling thread
 /// copies each frame once, straight into the receiver's memory, and the receiver hands each on
 /// without a copy; or, with `Frames::Placed`, of a live one whose source writes each frame in
 /// place (see [`Small::place`]): over tcp nothing copies them in user space on either end.
 fn block_rate(
-    block: usize,
-    frames: Frames,
-    secs: f64,
-    listener: Box<dyn Listener>,
-    connector: Box<dyn Connector>,
-) -> f64 {
-    block_measured(block, frames, secs, listener, connector).rate
-}
-
-/// [`block_rate`] with the CPUs busy meanwhile.
-fn block_measured(
     block: usize,
     frames: Frames,
     secs: f64,
@@ -311,7 +300,7 @@ fn block_measured(
         lend: frames != Frames::Lossless,
         place: frames == Frames::Placed,
     };
-    let per_message = engine_measured(block, m, secs, listener, connector);
+    let per_message = engine_messages(block, m, secs, listener, connector);
     Measured {
         rate: per_message.rate * block as f64,
         ..per_message
@@ -386,19 +375,8 @@ struct Small {
 
 /// Pushes messages of `m.len` bytes into one device as fast as the engine takes them (the
 /// source waits when its queue is full, so nothing is dropped), for `secs`; returns messages
-/// per second delivered.
+/// per second delivered (and the CPUs busy meanwhile).
 fn engine_messages(
-    block: usize,
-    m: Small,
-    secs: f64,
-    listener: Box<dyn Listener>,
-    connector: Box<dyn Connector>,
-) -> f64 {
-    engine_measured(block, m, secs, listener, connector).rate
-}
-
-/// [`engine_messages`] with the CPUs busy meanwhile.
-fn engine_measured(
     block: usize,
     m: Small,
     secs: f64,
@@ -562,7 +540,7 @@ fn small_messages(secs: f64) {
                 lend: false,
                 place: false,
             };
-            engine_messages(BLOCK, m, secs, l, c)
+            engine_messages(BLOCK, m, secs, l, c).rate
         };
         let over_shm = |coalesce_wait| {
             let m = Small {
@@ -572,7 +550,7 @@ fn small_messages(secs: f64) {
                 lend: false,
                 place: false,
             };
-            engine_messages(BLOCK, m, secs, socket.listen(BLOCK), socket.connector())
+            engine_messages(BLOCK, m, secs, socket.listen(BLOCK), socket.connector()).rate
         };
         let off = over_tcp(Duration::ZERO);
         let on = over_tcp(wait);
@@ -896,7 +874,7 @@ fn region_tcp(block: usize, rounds: usize, secs: f64) {
     let place = |blocks: usize| {
         BLOCKS_NOW.store(blocks, Ordering::Relaxed);
         let (l, c) = loopback_tcp(block);
-        let measured = block_measured(block, Frames::Placed, secs, l, c);
+        let measured = block_rate(block, Frames::Placed, secs, l, c);
         BLOCKS_NOW.store(0, Ordering::Relaxed);
         measured
     };
@@ -1055,7 +1033,7 @@ fn throughput(secs: f64) {
         let (l, c) = loopback_tcp(block);
         let tcp = engine_rate(block, secs, l, c);
         let (l, c) = loopback_tcp(block);
-        let placed = block_rate(block, Frames::Placed, secs, l, c);
+        let placed = block_rate(block, Frames::Placed, secs, l, c).rate;
         let (l, c) = loopback_tcp(block);
         let transport = transport_rate(block, secs, l, c);
         let engine_shm = engine_rate(block, secs, socket.listen(block), socket.connector());
@@ -1065,7 +1043,8 @@ fn throughput(secs: f64) {
             secs,
             socket.listen(block),
             socket.connector(),
-        );
+        )
+        .rate;
         let transport_shm = transport_rate(block, secs, socket.listen(block), socket.connector());
         let plain = if only_tcp {
             1.0
