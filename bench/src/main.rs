@@ -68,7 +68,7 @@ const SIZES: [usize; 10] = [
 ];
 
 const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-shm-live|engine-shm-place|transport-tcp|plain-tcp|region-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
-                     [--seconds S] [--rounds R] [--minutes M] [--block BYTES]\n       \
+                     [--seconds S] [--rounds R] [--minutes M] [--block BYTES] [--buffers N (plain-tcp)]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
 
@@ -140,7 +140,8 @@ fn main() {
     // mistyped option would otherwise start a ten-minute soak).
     let mut opts = std::collections::HashMap::new();
     for pair in args[1.min(args.len())..].chunks(2) {
-        let known = ["--seconds", "--rounds", "--minutes", "--block"].contains(&pair[0].as_str());
+        let known = ["--seconds", "--rounds", "--minutes", "--block", "--buffers"]
+            .contains(&pair[0].as_str());
         match pair.get(1).and_then(|v| v.parse::<f64>().ok()) {
             Some(v) if known => opts.insert(pair[0].as_str(), v),
             _ => {
