@@ -176,7 +176,7 @@ fn main() {
         "transport-tcp" | "plain-tcp" => {
             let block = opt("--block", 1048576.0) as usize;
             let rate = if what == "plain-tcp" {
-                plain_tcp_rate_over(block, seconds, opt("--buffers", 1.0) as usize)
+                plain_tcp_measured(block, seconds, opt("--buffers", 1.0) as usize).rate
             } else {
                 let (l, c) = loopback_tcp(block);
                 transport_rate(block, seconds, l, c)
@@ -282,10 +282,10 @@ fn engine_rate(
     block_rate(block, Frames::Lossless, secs, listener, connector).rate
 }
 
-/// Block-filling frames, bytes per second (and the CPUs busy meanwhile): of a lossless device ([`engine_rate`]); of a live
-/// one whose sender lends receiver's blocks where the transport can (shm): its filling thread
-/// copies each frame once, straight into the receiver's memory, and the receiver hands each on
-/// without a copy; or, with `Frames::Placed`, of a live one whose source writes each frame in
+/// Block-filling frames, bytes per second (and the CPUs busy meanwhile): of a lossless device
+/// ([`engine_rate`]); of a live one whose sender lends receiver's blocks where the transport can
+/// (shm): its filling thread copies each frame once, straight into the receiver's memory, and
+/// the receiver hands each on without a copy; or, with `Frames::Placed`, of a live one whose source writes each frame in
 /// place (see [`Small::place`]): over tcp nothing copies them in user space on either end.
 fn block_rate(
     block: usize,
@@ -672,18 +672,14 @@ fn transport_rate(
 
 /// Plain TCP loopback copy of `block`-byte messages for `secs`; bytes per second.
 fn plain_tcp_rate(block: usize, secs: f64) -> f64 {
-    plain_tcp_rate_over(block, secs, 1)
+    plain_tcp_measured(block, secs, 1).rate
 }
 
 /// [`plain_tcp_rate`] with the writer writing from `buffers` buffers of `block` bytes in turn
-/// and the reader reading into as many: one (the plain copy the targets are measured against)
-/// keeps both ends' buffer in cache; the engine's send blocks and receiver's region are 16
-/// (or more) blocks each, which a copy walks through in turn as well (`region-tcp`'s column).
-fn plain_tcp_rate_over(block: usize, secs: f64, buffers: usize) -> f64 {
-    plain_tcp_measured(block, secs, buffers).rate
-}
-
-/// [`plain_tcp_rate_over`] with the CPUs busy meanwhile.
+/// and the reader reading into as many, and the CPUs busy meanwhile: one buffer (the plain copy
+/// the targets are measured against) keeps both ends' buffer in cache; the engine's send blocks
+/// and receiver's region are 16 (or more) blocks each, which a copy walks through in turn as
+/// well (`region-tcp`'s column).
 fn plain_tcp_measured(block: usize, secs: f64, buffers: usize) -> Measured {
     let buffers = buffers.max(1);
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -885,9 +881,9 @@ fn region_tcp(block: usize, rounds: usize, secs: f64) {
         let (small, large, spread) = if round % 2 == 1 {
             let s = place(16);
             let b = place(big);
-            (s, b.rate, plain_tcp_rate_over(block, secs, 16))
+            (s, b.rate, plain_tcp_measured(block, secs, 16).rate)
         } else {
-            let r = plain_tcp_rate_over(block, secs, 16);
+            let r = plain_tcp_measured(block, secs, 16).rate;
             let b = place(big);
             (place(16), b.rate, r)
         };
