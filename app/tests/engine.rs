@@ -1106,6 +1106,9 @@ impl rdmastream::transport::Connection for FailingConnection {
     fn syncs_early(&self) -> bool {
         self.inner.syncs_early()
     }
+    fn writes_lowest_first(&self) -> bool {
+        self.inner.writes_lowest_first()
+    }
     fn cache_budget(&self) -> Option<usize> {
         self.inner.cache_budget()
     }

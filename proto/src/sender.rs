@@ -232,6 +232,9 @@ pub struct SenderMachine {
     /// At most this many remote blocks FULL at once, lowest-numbered free block first
     /// ([`SenderMachine::set_max_full`]); `None`: no limit, round-robin.
     max_full: Option<usize>,
+    /// The lowest-numbered free block first, without a limit
+    /// ([`SenderMachine::set_lowest_first`]).
+    lowest_first: bool,
 }
 
 /// Blocks smaller than this never sync early: writing a few of them takes far less than the
@@ -271,6 +274,7 @@ impl SenderMachine {
             placed_done: VecDeque::new(),
             early_sync: true,
             max_full: None,
+            lowest_first: false,
         }
     }
 
@@ -284,6 +288,15 @@ impl SenderMachine {
     /// budget.
     pub fn set_max_full(&mut self, n: Option<usize>) {
         self.max_full = n.map(|n| n.max(2));
+    }
+
+    /// Takes the lowest-numbered free block first instead of the next round-robin one, with no
+    /// limit on how many are FULL (unlike [`Self::set_max_full`], which implies it): the
+    /// receiver's blocks written last, whose lines are the likeliest still cached where it
+    /// copies them in (tcp's NIC thread), are written again first. Off (the default): round-robin,
+    /// as the paper's sender. The engine's driver sets it each turn from the connection.
+    pub fn set_lowest_first(&mut self, on: bool) {
+        self.lowest_first = on;
     }
 
     /// Whether a write that leaves few free blocks in the cache asks for a sync at once (the
@@ -711,7 +724,7 @@ impl SenderMachine {
         if !self.under_max_full() {
             return None;
         }
-        let start = if self.max_full.is_some() {
+        let start = if self.max_full.is_some() || self.lowest_first {
             0
         } else {
             self.cursor
@@ -846,6 +859,47 @@ mod tests {
             .collect();
         assert_eq!(blocks, vec![1, 3]);
         assert!(m.stats().retained_skipped >= 1);
+    }
+
+    /// Lowest first, a block a sync found free again is written before the round-robin's next
+    /// one; round-robin (the default) goes on from where it was.
+    #[test]
+    fn lowest_first_writes_a_freed_low_block_again_before_the_next_one() {
+        for (lowest, want) in [(false, vec![0, 1, 2, 3, 4]), (true, vec![0, 1, 2, 0, 1])] {
+            let (mut m, now) = connected(8, 8);
+            m.set_lowest_first(lowest);
+            let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+                panic!()
+            };
+            m.handle_sync_completed(now, wr_id, &[0; 8]);
+            let mut written = Vec::new();
+            let mut write = |m: &mut SenderMachine, send_block: usize, delivery: Delivery| {
+                m.handle_filled(send_block, 10, delivery);
+                let Some(Action::Write {
+                    remote_block,
+                    wr_id,
+                    ..
+                }) = m.poll_action(now)
+                else {
+                    panic!("a write")
+                };
+                written.push(remote_block);
+                m.handle_write_completed(wr_id);
+            };
+            // Three lossless blocks: with nothing else to do the machine syncs to see them
+            // confirmed, and the receiver has freed the first two by then.
+            for i in 0..3 {
+                write(&mut m, i, Delivery::Confirmed { last: true });
+            }
+            let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+                panic!("a sync for confirmations")
+            };
+            m.handle_sync_completed(now, wr_id, &[0, 0, 1, 0, 0, 0, 0, 0]);
+            for i in 3..5 {
+                write(&mut m, i, Delivery::Unconfirmed);
+            }
+            assert_eq!(written, want, "lowest first: {lowest}");
+        }
     }
 
     /// With a quarter of the blocks (at most the chains in flight) left free in the cache, a

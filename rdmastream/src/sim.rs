@@ -163,6 +163,9 @@ pub struct SimConfig {
     /// small): at most that many bytes of remote blocks FULL at once, lowest-numbered first.
     /// `None` (the default): none, round-robin.
     pub cache_budget: Option<usize>,
+    /// The connection's [`Connection::writes_lowest_first`] (tcp's): the lowest-numbered free
+    /// block first, with no limit. False (the default): round-robin.
+    pub lowest_first: bool,
 }
 
 impl Default for SimConfig {
@@ -194,6 +197,7 @@ impl Default for SimConfig {
             lend: 0,
             lend_render: Duration::from_micros(2),
             cache_budget: None,
+            lowest_first: false,
         }
     }
 }
@@ -345,6 +349,7 @@ enum Posted {
 struct SimConnection {
     layout: RemoteLayout,
     cache_budget: Option<usize>,
+    lowest_first: bool,
     blocks: Arc<SendBlocks>,
     posted: Vec<Posted>,
     completions: VecDeque<Completion>,
@@ -356,6 +361,9 @@ impl Connection for SimConnection {
     }
     fn syncs_early(&self) -> bool {
         true
+    }
+    fn writes_lowest_first(&self) -> bool {
+        self.lowest_first
     }
     fn completes_at_once(&self) -> bool {
         false
@@ -542,6 +550,7 @@ impl Pair {
             conn: SimConnection {
                 layout,
                 cache_budget: cfg.cache_budget,
+                lowest_first: cfg.lowest_first,
                 blocks,
                 posted: Vec::new(),
                 completions: VecDeque::new(),

@@ -874,6 +874,10 @@ impl Connection for VerbsConnection {
     fn syncs_early(&self) -> bool {
         false
     }
+    /// The paper's round-robin, until measured on a real NIC (see the trait).
+    fn writes_lowest_first(&self) -> bool {
+        false
+    }
     fn completes_at_once(&self) -> bool {
         false
     }

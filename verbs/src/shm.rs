@@ -595,6 +595,10 @@ impl Connection for ShmConnection {
     fn syncs_early(&self) -> bool {
         true
     }
+    /// The cache budget takes the lowest-numbered block first whenever it limits anything.
+    fn writes_lowest_first(&self) -> bool {
+        false
+    }
     fn completes_at_once(&self) -> bool {
         true
     }

@@ -219,6 +219,9 @@ impl Connection for Counted {
     fn syncs_early(&self) -> bool {
         self.inner.syncs_early()
     }
+    fn writes_lowest_first(&self) -> bool {
+        self.inner.writes_lowest_first()
+    }
     fn completes_at_once(&self) -> bool {
         self.inner.completes_at_once()
     }

@@ -54,6 +54,7 @@ impl Driver {
         let block_size = conn.layout().block_size;
         machine.set_early_sync(conn.syncs_early());
         machine.set_max_full(crate::transport::max_full_blocks(conn));
+        machine.set_lowest_first(conn.writes_lowest_first());
         let mut turn = Turn::default();
         let t = now();
         while let Some(action) = machine.poll_action(t) {

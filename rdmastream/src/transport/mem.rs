@@ -233,6 +233,9 @@ impl Connection for MemConnection {
     fn syncs_early(&self) -> bool {
         true
     }
+    fn writes_lowest_first(&self) -> bool {
+        false
+    }
     fn completes_at_once(&self) -> bool {
         true
     }

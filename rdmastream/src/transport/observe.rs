@@ -220,6 +220,9 @@ impl Connection for ObservedConnection {
     fn syncs_early(&self) -> bool {
         self.inner.syncs_early()
     }
+    fn writes_lowest_first(&self) -> bool {
+        self.inner.writes_lowest_first()
+    }
     fn completes_at_once(&self) -> bool {
         self.inner.completes_at_once()
     }

@@ -1198,6 +1198,9 @@ impl Connection for TcpConnection {
     fn syncs_early(&self) -> bool {
         true
     }
+    fn writes_lowest_first(&self) -> bool {
+        true
+    }
     fn completes_at_once(&self) -> bool {
         false
     }
