@@ -26,6 +26,8 @@
 //! alone, to count their instructions under callgrind (see `frame_instr`). `copy-cache
 //! [--frame BYTES] [--block BYTES]`: a frame copy's cost against how many blocks its
 //! destinations spread over (see `copy_cache`).
+//! `BENCH_TOUCH=1`: the in-place source writes every byte of its frames and the sinks read
+//! every byte, plain TCP's two ends too (see `touching`); by default neither end touches them.
 
 mod paper;
 mod soak;
@@ -262,6 +264,9 @@ impl FrameSink for CountingSink {
     fn handle(&self, _: &StreamKey, _: u64, _: &Arc<DeviceCounters>, event: StreamEvent) {
         rdmastream::proto::ack::settle(event.ack());
         if let StreamEvent::Frame(f) = event {
+            if touching() {
+                std::hint::black_box(touch_read(&f.data));
+            }
             self.frames.fetch_add(1, Ordering::Relaxed);
             self.bytes.fetch_add(f.data.len() as u64, Ordering::Relaxed);
         }
@@ -437,6 +442,9 @@ fn engine_messages(
                             Err(rdmastream::engine::NotReserved::TimedOut) => continue,
                             Err(_) => break,
                         };
+                        if touching() {
+                            r.payload_mut().fill(index as u8);
+                        }
                         let stamp = index.to_le_bytes();
                         let n = stamp.len().min(r.len());
                         r.payload_mut()[..n].copy_from_slice(&stamp[..n]);
@@ -692,8 +700,13 @@ fn plain_tcp_measured(block: usize, secs: f64, buffers: usize) -> Measured {
             .spawn(move || {
                 let mut s = std::net::TcpStream::connect(addr).unwrap();
                 s.set_nodelay(true).unwrap();
-                let bufs: Vec<Vec<u8>> = (0..buffers).map(|_| vec![7u8; block]).collect();
-                for buf in bufs.iter().cycle() {
+                let mut bufs: Vec<Vec<u8>> = (0..buffers).map(|_| vec![7u8; block]).collect();
+                let touch = touching();
+                for i in 0.. {
+                    let buf = &mut bufs[i % buffers];
+                    if touch {
+                        buf.fill(i as u8);
+                    }
                     if stop.load(Ordering::Relaxed) || s.write_all(buf).is_err() {
                         break;
                     }
@@ -712,8 +725,12 @@ fn plain_tcp_measured(block: usize, secs: f64, buffers: usize) -> Measured {
             let warm = Instant::now() + Duration::from_millis(200);
             let mut start: Option<(Instant, u64, Duration)> = None;
             let end = warm + Duration::from_secs_f64(secs);
+            let touch = touching();
             loop {
                 r.read_exact(&mut bufs[next]).unwrap();
+                if touch {
+                    std::hint::black_box(touch_read(&bufs[next]));
+                }
                 next = (next + 1) % buffers;
                 total += block as u64;
                 let now = Instant::now();
@@ -742,6 +759,28 @@ fn plain_tcp_measured(block: usize, secs: f64, buffers: usize) -> Measured {
     stop.store(true, Ordering::Relaxed);
     let _ = writer.join();
     rate
+}
+
+/// `BENCH_TOUCH=1`: both ends handle every byte of their frames, as a pipeline does (a source
+/// renders its frame, a consumer reads it): the in-place source of `engine-tcp-place` and
+/// `region-tcp` writes the whole payload, the receiving sink reads every frame, and plain TCP's
+/// writer writes each buffer before it sends it and its reader reads each after it came. By
+/// default neither end touches the bytes, so that the copies the transports make are all that
+/// is measured; then the engine's send blocks are cold when they are sent (nothing wrote them
+/// lately), where plain TCP sends one buffer that stays in cache.
+fn touching() -> bool {
+    static TOUCH: std::sync::LazyLock<bool> =
+        std::sync::LazyLock::new(|| std::env::var("BENCH_TOUCH").is_ok_and(|v| v == "1"));
+    *TOUCH
+}
+
+/// Reads every byte of `b` (a consumer's look at a frame), folded into a word.
+fn touch_read(b: &[u8]) -> u64 {
+    let mut words = b.chunks_exact(8);
+    let folded = words
+        .by_ref()
+        .fold(0u64, |a, w| a ^ u64::from_le_bytes(w.try_into().expect("8 bytes")));
+    words.remainder().iter().fold(folded, |a, &x| a ^ u64::from(x))
 }
 
 /// `BENCH_PIN=1`: the two threads that copy, in plain TCP and in the engine over tcp (the
