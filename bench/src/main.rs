@@ -777,10 +777,13 @@ fn touching() -> bool {
 /// Reads every byte of `b` (a consumer's look at a frame), folded into a word.
 fn touch_read(b: &[u8]) -> u64 {
     let mut words = b.chunks_exact(8);
-    let folded = words
-        .by_ref()
-        .fold(0u64, |a, w| a ^ u64::from_le_bytes(w.try_into().expect("8 bytes")));
-    words.remainder().iter().fold(folded, |a, &x| a ^ u64::from(x))
+    let folded = words.by_ref().fold(0u64, |a, w| {
+        a ^ u64::from_le_bytes(w.try_into().expect("8 bytes"))
+    });
+    words
+        .remainder()
+        .iter()
+        .fold(folded, |a, &x| a ^ u64::from(x))
 }
 
 /// `BENCH_PIN=1`: the two threads that copy, in plain TCP and in the engine over tcp (the
