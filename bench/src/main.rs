@@ -290,8 +290,9 @@ fn engine_rate(
 /// Block-filling frames, bytes per second (and the CPUs busy meanwhile): of a lossless device
 /// ([`engine_rate`]); of a live one whose sender lends receiver's blocks where the transport can
 /// (shm): its filling thread copies each frame once, straight into the receiver's memory, and
-/// the receiver hands each on without a copy; or, with `Frames::Placed`, of a live one whose source writes each frame in
-/// place (see [`Small::place`]): over tcp nothing copies them in user space on either end.
+/// the receiver hands each on without a copy; or, with `Frames::Placed`, of a live one whose
+/// source writes each frame in place (see [`Small::place`]): over tcp nothing copies them in
+/// user space on either end.
 fn block_rate(
     block: usize,
     frames: Frames,
