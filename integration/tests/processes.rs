@@ -267,7 +267,7 @@ fn two_senders_into_one_receiver_on(it: It) {
                    [[device]]\nid = 5\nsource = \"radar-synthetic\"\nsize = 50000\nrate = 10\npolicy = \"block\"\nframes = 30\n";
     let mut senders = Vec::new();
     // One sender keeps at most 6 of the receiver's 16 blocks FULL, the other has no limit; over
-    // tcp the key means nothing (each block is another host's memory).
+    // tcp the key means nothing: both keep tcp's own budget (8 MiB: 8 of 16 blocks of 1 MiB).
     for (name, budget) in [("node-a", "6 MiB"), ("node-b", "off")] {
         let cfg = sender_config(
             tmp.path(),
@@ -291,6 +291,12 @@ fn two_senders_into_one_receiver_on(it: It) {
             assert!(
                 text.contains("at most 6 of the 16 remote blocks full at once"),
                 "shm_cache_budget = \"6 MiB\" not applied:\n{}",
+                tail(&log)
+            );
+        } else if it.transport == "tcp" && !it.small {
+            assert!(
+                text.contains("at most 8 of the 16 remote blocks full at once"),
+                "tcp's cache budget (8 MiB) not applied:\n{}",
                 tail(&log)
             );
         } else {

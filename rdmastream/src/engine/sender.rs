@@ -1846,7 +1846,7 @@ fn sending_thread(t: SendingThread) -> Result<SenderReport> {
                         ) {
                             tracing::info!(
                                 peer = c.peer(),
-                                "at most {k} of the {} remote blocks full at once: they share this host's cache (a budget of {budget} bytes)",
+                                "at most {k} of the {} remote blocks full at once, so that the blocks written are still cached where they are copied (a budget of {budget} bytes)",
                                 layout.blocks
                             );
                         }

@@ -153,10 +153,12 @@ pub trait Connection: Send {
     /// stalled with it (none of five without), until it is measured on a real NIC. No default,
     /// so that a wrapper cannot drop it.
     fn syncs_early(&self) -> bool;
-    /// Bytes of the receiver's region the sender should keep FULL at most, because the two
-    /// share one host's cache and a sync costs nothing (shm: [`SHM_CACHE_BUDGET`]); `None` on
-    /// every other transport, where the region is another host's memory (or a socket's) and a
-    /// sync is a round trip. The sending thread turns it into
+    /// Bytes of the receiver's region the sender should keep FULL at most, so that the blocks
+    /// written are still cached where they are copied: shm, where the two share one host's
+    /// cache and a sync costs nothing ([`shm_cache_budget`]), and tcp, whose NIC thread copies
+    /// every block in on the receiving host ([`tcp_cache_budget`], enough for what a socket
+    /// has on its way during the round trip of a sync). `None` over verbs, where an RNIC places
+    /// the data, until a budget is measured on one. The sending thread turns it into
     /// [`crate::proto::SenderMachine::set_max_full`]. No default, for the same reason as
     /// [`Connection::syncs_early`].
     fn cache_budget(&self) -> Option<usize>;
@@ -186,6 +188,28 @@ pub const UNIX_SCHEME: &str = "unix:";
 /// (see [`shm_cache_budget`]): an eighth of the 32 MiB last-level cache of the machine it was
 /// measured on. See README and docs/protocol.md, "The working set on one host".
 pub const SHM_CACHE_BUDGET: usize = 4 << 20;
+
+/// The tcp transport's [`Connection::cache_budget`] for remote blocks of `block_size` bytes:
+/// [`TCP_CACHE_BUDGET`], or [`TCP_BUDGET_MIN_BLOCKS`] blocks where those are more.
+pub fn tcp_cache_budget(block_size: usize) -> usize {
+    TCP_CACHE_BUDGET.max(TCP_BUDGET_MIN_BLOCKS.saturating_mul(block_size))
+}
+
+/// Bytes of a tcp receiver's region FULL at once at most ([`tcp_cache_budget`]). The receiving
+/// host's NIC thread copies each block in from the socket, and with 16 blocks of 1 MiB the
+/// sender otherwise keeps some 12 of them FULL (it syncs when a quarter is left): the receiving
+/// copy then walks 12 MiB and cost about twice per byte what it costs into a few blocks (`perf
+/// record` of `bench engine-tcp-place`, README, "A cache budget over tcp"). Not less: a sync over
+/// tcp is a round trip behind what is in flight, up to a loopback socket's 4 MiB send buffer
+/// (`tcp_wmem`'s largest) and the block the NIC thread is copying. Blocks of 512 KiB and less
+/// never reach it with 16 of them, nor do 64 KiB blocks in the 4 MiB region a tcp receiver asks
+/// for.
+pub const TCP_CACHE_BUDGET: usize = 8 << 20;
+
+/// Remote blocks a tcp sender may keep FULL however large they are ([`tcp_cache_budget`]): with
+/// 4 (the [`MIN_FULL_BLOCKS`] of shm) a lossless stream of 4 MiB blocks, whose blocks stay FULL
+/// until a sync reads them freed, moved a fifth less (README, "A cache budget over tcp").
+pub const TCP_BUDGET_MIN_BLOCKS: usize = 8;
 
 /// The smallest and largest budget [`shm_cache_budget`] takes from the machine's cache size: a
 /// cache sysfs reports as tiny or huge (a VM's made-up figures) cannot turn the limit into one

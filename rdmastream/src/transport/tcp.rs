@@ -1193,7 +1193,7 @@ fn write_slices(
 
 impl Connection for TcpConnection {
     fn cache_budget(&self) -> Option<usize> {
-        None
+        Some(super::tcp_cache_budget(self.layout.block_size))
     }
     fn syncs_early(&self) -> bool {
         true
@@ -2289,6 +2289,11 @@ mod tests {
     /// A receiver that runs the real handshake, then writes `after` raw onto the connection:
     /// what a hostile or broken receiver could send.
     fn hostile_receiver(after: Vec<u8>, then_close: bool) -> String {
+        receiver_of(4, 256, after, then_close)
+    }
+
+    /// [`hostile_receiver`] with a region of `blocks` blocks of `block_size` bytes.
+    fn receiver_of(blocks: u32, block_size: u32, after: Vec<u8>, then_close: bool) -> String {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         std::thread::spawn(move || {
@@ -2299,13 +2304,13 @@ mod tests {
                     4,
                     crate::proto::Budget::unlimited(),
                 ),
-                ..RegionSettings::plain(4, 256)
+                ..RegionSettings::plain(blocks as usize, block_size as usize)
             };
             let admitted =
                 server_handshake(&mut stream, &settings, DataPath::Tcp, "tcp only", |_, _| {
                     let welcome = Welcome {
-                        blocks: 4,
-                        block_size: 256,
+                        blocks,
+                        block_size,
                         ..Welcome::refusal("")
                     };
                     Ok((welcome, ()))
@@ -2387,6 +2392,35 @@ mod tests {
             "the error names the peer and the size: {err}"
         );
         assert!(conn.take_notices().is_empty(), "nothing of it is kept");
+    }
+
+    /// The sender keeps at most 8 MiB of a tcp receiver's region FULL, but never fewer than 8
+    /// blocks ([`tcp_cache_budget`]): 8 of 16 blocks of 1 MiB or of 4 MiB, and no limit where
+    /// the region is no larger than the budget (16 blocks of 512 KiB, 64 of 64 KiB). Without
+    /// the budget the sending thread sets no limit and all four cases say `None`.
+    #[test]
+    fn a_tcp_sender_keeps_at_most_8_mib_of_the_receivers_blocks_full() {
+        let blocks = SendBlocks::new(1, 256);
+        for (n, size, limit) in [
+            (16, 1 << 20, Some(8)),
+            (16, 4 << 20, Some(8)),
+            (16, 512 << 10, None),
+            (64, 64 << 10, None),
+        ] {
+            let addr = receiver_of(n, size, Vec::new(), false);
+            let conn = TcpConnector::new(addr)
+                .connect(&hello(), Some(&key()), &blocks)
+                .unwrap();
+            assert_eq!(
+                conn.cache_budget(),
+                Some(super::super::tcp_cache_budget(size as usize))
+            );
+            assert_eq!(
+                super::super::max_full_blocks(conn.as_ref()),
+                limit,
+                "{n} blocks of {size} bytes"
+            );
+        }
     }
 
     #[test]
