@@ -1193,7 +1193,7 @@ fn write_slices(
 
 impl Connection for TcpConnection {
     fn cache_budget(&self) -> Option<usize> {
-        Some(super::tcp_cache_budget(self.layout.block_size))
+        super::tcp_cache_budget(self.layout.block_size)
     }
     fn syncs_early(&self) -> bool {
         true
@@ -2394,16 +2394,18 @@ mod tests {
         assert!(conn.take_notices().is_empty(), "nothing of it is kept");
     }
 
-    /// The sender keeps at most 8 MiB of a tcp receiver's region FULL, but never fewer than 8
-    /// blocks ([`tcp_cache_budget`]): 8 of 16 blocks of 1 MiB or of 4 MiB, and no limit where
-    /// the region is no larger than the budget (16 blocks of 512 KiB, 64 of 64 KiB). Without
-    /// the budget the sending thread sets no limit and all four cases say `None`.
+    /// The sender keeps at most 8 MiB of a tcp receiver's region FULL where that is 8 blocks or
+    /// more ([`tcp_cache_budget`]): 8 of 16 blocks of 1 MiB, 32 of 64 of 256 KiB; no limit
+    /// where the region is no larger than the budget (16 blocks of 512 KiB, 64 of 64 KiB) or
+    /// the blocks are larger than 1 MiB (16 of 4 MiB). Without the budget the sending thread
+    /// sets no limit and every case says `None`.
     #[test]
     fn a_tcp_sender_keeps_at_most_8_mib_of_the_receivers_blocks_full() {
         let blocks = SendBlocks::new(1, 256);
         for (n, size, limit) in [
             (16, 1 << 20, Some(8)),
-            (16, 4 << 20, Some(8)),
+            (64, 256 << 10, Some(32)),
+            (16, 4 << 20, None),
             (16, 512 << 10, None),
             (64, 64 << 10, None),
         ] {
@@ -2413,7 +2415,7 @@ mod tests {
                 .unwrap();
             assert_eq!(
                 conn.cache_budget(),
-                Some(super::super::tcp_cache_budget(size as usize))
+                super::super::tcp_cache_budget(size as usize)
             );
             assert_eq!(
                 super::super::max_full_blocks(conn.as_ref()),
