@@ -16,11 +16,8 @@ block=${4:-65536}
 command -v perf >/dev/null || { echo "bench-cpu-ab: needs perf (apt-get install linux-perf)" >&2; exit 2; }
 scripts/build-before.sh "$before" bench
 seconds=3
-# The whole machine's busy CPU time so far in ms (/proc/stat: user, nice, system, irq, softirq;
-# 100 ticks a second): softirq work the kernel defers to ksoftirqd is not in the bench's own
-# task-clock, and moving work there can look like a saving (README, "the kernel reading send
-# blocks"). It also counts whatever else runs: a quiet machine, please.
-busy_ms() { awk 'NR == 1 { print ($2 + $3 + $4 + $7 + $8) * 10 }' /proc/stat; }
+# shellcheck source=scripts/machine-busy.sh
+source scripts/machine-busy.sh
 results=$(mktemp)
 for _ in $(seq "$pairs"); do
   for v in before after; do

@@ -14,7 +14,8 @@ block=${3:-1048576}
 mode=${4:-engine-tcp-place}
 scripts/build-before.sh "$before" bench
 seconds=3
-busy_ms() { awk 'NR == 1 { print ($2 + $3 + $4 + $7 + $8) * 10 }' /proc/stat; }
+# shellcheck source=scripts/machine-busy.sh
+source scripts/machine-busy.sh
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 run() { # label, then the command
