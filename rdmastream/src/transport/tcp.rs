@@ -2423,6 +2423,11 @@ mod tests {
                 "{n} blocks of {size} bytes"
             );
         }
+        // The block size is the receiver's word (a u32 on the wire, so no product overflows
+        // on 64 bits); a size whose product would wrap round to a few bytes still gets no
+        // budget.
+        let wraps = usize::MAX / super::super::TCP_BUDGET_MIN_BLOCKS + 2;
+        assert_eq!(super::super::tcp_cache_budget(wraps), None);
     }
 
     #[test]
