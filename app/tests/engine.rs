@@ -1112,6 +1112,9 @@ impl rdmastream::transport::Connection for FailingConnection {
     fn cache_budget(&self) -> Option<usize> {
         self.inner.cache_budget()
     }
+    fn send_limits(&self, block_size: usize) -> rdmastream::transport::SendLimits {
+        self.inner.send_limits(block_size)
+    }
     fn completes_at_once(&self) -> bool {
         self.inner.completes_at_once()
     }
@@ -2006,6 +2009,66 @@ fn assert_hoarded(sink: &Hoard, want: &[(u64, Vec<u8>)]) {
         );
         assert_eq!(&data[..], &want_bytes[..], "frame {index}");
     }
+}
+
+/// Over tcp with 4 MiB blocks a live device's reservations keep at most two in-place blocks in
+/// use (`tcp_send_limits`: the blocks written are still cached when the socket copies them out),
+/// take the block freed last first, and pass the limit after `LIVE_IN_PLACE_PATIENCE` rather
+/// than wait for ever (a source that holds its buffers); a lossless device's reservations, which
+/// keep their blocks until a sync, are not limited.
+#[test]
+fn a_tcp_senders_live_reservations_keep_two_4_mib_blocks_in_use() {
+    use rdmastream::engine::NotReserved;
+    use rdmastream::transport::LIVE_IN_PLACE_PATIENCE;
+    const BLOCK: usize = 4 << 20;
+    assert_eq!(
+        rdmastream::transport::tcp_send_limits(BLOCK).live_in_place,
+        Some(2)
+    );
+    let listener = tcp::listen("127.0.0.1:0", settings(4, BLOCK, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let (sink, receiver) = hoarding(Box::new(listener));
+    let opts = SenderOptions {
+        name: "limited".into(),
+        key: Some(key()),
+        send_blocks: 6,
+        block_size: BLOCK,
+        in_place_blocks: 4,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr)), 4).unwrap();
+    let live = s.add_device(1, DropPolicy::DropOldest);
+    let lossless = s.add_device_with(2, DropPolicy::Block, true);
+    // The limits are set on connecting: connected once a frame has arrived.
+    let mut r = live.reserve(10, Duration::from_secs(10)).unwrap();
+    r.payload_mut().copy_from_slice(b"0123456789");
+    assert!(r.commit(meta(0)));
+    assert!(wait_until(Duration::from_secs(20), || {
+        sink.0.lock().unwrap().len() == 1
+    }));
+    let a = live.reserve(10, Duration::from_secs(10)).unwrap();
+    let b = live.reserve(10, Duration::from_secs(10)).unwrap();
+    // Two in use: a live reservation finds free blocks but may not take one now ...
+    assert_eq!(
+        live.reserve(10, Duration::ZERO).unwrap_err(),
+        NotReserved::TimedOut
+    );
+    // ... a lossless one may.
+    drop(lossless.reserve(10, Duration::ZERO).unwrap());
+    // A live one that waits takes a free block beyond the limit once out of patience.
+    let started = std::time::Instant::now();
+    let c = live.reserve(10, Duration::from_secs(10)).unwrap();
+    assert!(started.elapsed() >= LIVE_IN_PLACE_PATIENCE);
+    // The block freed last is taken first (FIFO would give back the oldest free one).
+    let last = b.block();
+    drop(c);
+    drop(a);
+    drop(b);
+    assert_eq!(live.reserve(10, Duration::ZERO).unwrap().block(), last);
+    live.end();
+    lossless.end();
+    assert_eq!(s.finish(Duration::from_secs(20)).unwrap().unsent, 0);
+    receiver.stop();
 }
 
 /// A reservation still outstanding when its device ends does not hold the sender up: it

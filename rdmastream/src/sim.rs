@@ -359,6 +359,9 @@ impl Connection for SimConnection {
     fn cache_budget(&self) -> Option<usize> {
         self.cache_budget
     }
+    fn send_limits(&self, block_size: usize) -> crate::transport::SendLimits {
+        crate::transport::SendLimits::within(self.cache_budget, block_size)
+    }
     fn syncs_early(&self) -> bool {
         true
     }

@@ -870,6 +870,10 @@ impl Connection for VerbsConnection {
     fn cache_budget(&self) -> Option<usize> {
         None
     }
+    /// None until measured on a real NIC (see the trait).
+    fn send_limits(&self, _block_size: usize) -> rdmastream::transport::SendLimits {
+        rdmastream::transport::SendLimits::default()
+    }
     /// Off until measured on a real NIC (see the trait).
     fn syncs_early(&self) -> bool {
         false

@@ -605,6 +605,9 @@ impl Connection for ShmConnection {
     fn cache_budget(&self) -> Option<usize> {
         self.cache_budget
     }
+    fn send_limits(&self, block_size: usize) -> rdmastream::transport::SendLimits {
+        rdmastream::transport::SendLimits::within(self.cache_budget, block_size)
+    }
     fn peer(&self) -> &str {
         &self.peer
     }

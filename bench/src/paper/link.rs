@@ -216,6 +216,9 @@ impl Connection for Counted {
     fn cache_budget(&self) -> Option<usize> {
         None
     }
+    fn send_limits(&self, _block_size: usize) -> rdmastream::transport::SendLimits {
+        rdmastream::transport::SendLimits::default()
+    }
     fn syncs_early(&self) -> bool {
         self.inner.syncs_early()
     }

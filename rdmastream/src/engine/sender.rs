@@ -184,6 +184,10 @@ struct FreeLists {
     /// thread on connecting), so that the blocks it fills are still cached when they are sent;
     /// it then also takes the most recently freed block first.
     in_use_limit: Arc<AtomicUsize>,
+    /// How many in-place blocks a live device's reservations keep in use at most
+    /// ([`crate::transport::SendLimits::live_in_place`]; `usize::MAX`: no limit), set by the
+    /// sending thread on connecting.
+    live_in_place_limit: Arc<AtomicUsize>,
 }
 
 impl FreeLists {
@@ -195,6 +199,15 @@ impl FreeLists {
         };
         let _ = list.send(block);
     }
+}
+
+/// What [`DeviceInput::take_free`] found.
+enum FreeBlock {
+    Taken(usize),
+    /// Free blocks, but the limit's worth in use.
+    Limited,
+    /// None free.
+    None,
 }
 
 /// Why [`DeviceInput::reserve`] gave no send block; the source copies the frame instead
@@ -333,6 +346,9 @@ pub struct DeviceInput {
     blocks: Arc<SendBlocks>,
     free_rx: Receiver<usize>,
     free_tx: Sender<usize>,
+    /// In-place blocks taken off `free_rx` by a reservation and still free, oldest first (see
+    /// [`DeviceInput::take_free`]).
+    stash: Arc<parking_lot::Mutex<Vec<usize>>>,
     /// How many blocks are set aside for reservations.
     in_place_blocks: usize,
     /// Receiver's blocks lent out (shm), taken first by reservations of a lossy device.
@@ -465,6 +481,8 @@ impl DeviceInput {
             return Err(NotReserved::TooLarge);
         }
         let deadline = Instant::now() + timeout;
+        // Since when a free block waits for one in use to come back (the limit).
+        let mut limited_since: Option<Instant> = None;
         loop {
             if self.stopped.load(Ordering::Acquire) {
                 return Err(NotReserved::Stopped);
@@ -473,14 +491,23 @@ impl DeviceInput {
             if let Some(r) = self.take_lent(len) {
                 return Ok(r);
             }
-            if let Ok(block) = self.free_rx.try_recv() {
-                return Ok(self.local(block, len));
+            let patience = crate::transport::LIVE_IN_PLACE_PATIENCE;
+            let patient = limited_since.is_none_or(|t| t.elapsed() < patience);
+            match self.take_free(patient) {
+                FreeBlock::Taken(block) => return Ok(self.local(block, len)),
+                FreeBlock::Limited => {
+                    limited_since.get_or_insert_with(Instant::now);
+                }
+                FreeBlock::None => limited_since = None,
             }
             let now = Instant::now();
             if now >= deadline {
                 return Err(NotReserved::TimedOut);
             }
-            let wait = (deadline - now).min(Duration::from_millis(50));
+            let mut wait = (deadline - now).min(Duration::from_millis(50));
+            if let Some(t) = limited_since {
+                wait = wait.min(patience.saturating_sub(t.elapsed()));
+            }
             let mut sel = Select::new();
             sel.recv(&self.free_rx);
             if !self.reliable {
@@ -489,7 +516,7 @@ impl DeviceInput {
             match sel.select_timeout(wait) {
                 Ok(op) if op.index() == 0 => {
                     if let Ok(block) = op.recv(&self.free_rx) {
-                        return Ok(self.local(block, len));
+                        self.stash.lock().push(block);
                     }
                 }
                 Ok(op) => {
@@ -542,6 +569,32 @@ impl DeviceInput {
             &mut c,
             d.placement,
         ))
+    }
+
+    /// A free in-place block, if one may be taken now: without a limit the one freed first;
+    /// under the connection's [`crate::transport::SendLimits::live_in_place`] (a live device
+    /// only: a lossless one keeps its blocks until a sync), the one freed last (still cached),
+    /// and only while fewer than the limit are in use, unless the reservation is out of
+    /// `patience` (then the limit is passed: a source holding its buffers never waits for ever).
+    fn take_free(&self, patient: bool) -> FreeBlock {
+        let mut stash = self.stash.lock();
+        stash.extend(self.free_rx.try_iter());
+        if stash.is_empty() {
+            return FreeBlock::None;
+        }
+        let limit = if self.reliable {
+            usize::MAX
+        } else {
+            self.direct.free.live_in_place_limit.load(Ordering::Relaxed)
+        };
+        if limit == usize::MAX {
+            return FreeBlock::Taken(stash.remove(0));
+        }
+        let in_use = self.in_place_blocks.saturating_sub(stash.len());
+        if in_use >= limit && patient {
+            return FreeBlock::Limited;
+        }
+        FreeBlock::Taken(stash.pop().expect("not empty"))
     }
 
     /// A reservation of in-place send block `block`.
@@ -906,6 +959,7 @@ pub struct SenderHandle {
     blocks: Arc<SendBlocks>,
     free_rx: Receiver<usize>,
     free_tx: Sender<usize>,
+    stash: Arc<parking_lot::Mutex<Vec<usize>>>,
     in_place_blocks: usize,
     lent: LentBlocks,
     direct: Direct,
@@ -948,6 +1002,7 @@ impl SenderHandle {
             in_place: reserve_tx.clone(),
             first_in_place,
             in_use_limit: Arc::new(AtomicUsize::new(usize::MAX)),
+            live_in_place_limit: Arc::new(AtomicUsize::new(usize::MAX)),
         };
         for i in 0..opts.send_blocks {
             free_lists.release(i);
@@ -1066,6 +1121,7 @@ impl SenderHandle {
             blocks: reserve_blocks,
             free_rx: reserve_rx,
             free_tx: reserve_tx,
+            stash: Arc::default(),
             in_place_blocks,
             lent,
             direct,
@@ -1097,6 +1153,7 @@ impl SenderHandle {
             blocks: self.blocks.clone(),
             free_rx: self.free_rx.clone(),
             free_tx: self.free_tx.clone(),
+            stash: self.stash.clone(),
             in_place_blocks: self.in_place_blocks,
             lent: self.lent.clone(),
             reliable,
@@ -1854,10 +1911,19 @@ fn sending_thread(t: SendingThread) -> Result<SenderReport> {
                         s.machine.handle_connected(layout);
                         // Under a cache budget the filling thread keeps as few of its blocks
                         // in use as the budget holds.
-                        let limit = c.cache_budget().map_or(usize::MAX, |b| {
-                            crate::transport::blocks_within(b, block_size)
-                        });
-                        s.free.in_use_limit.store(limit, Ordering::Relaxed);
+                        let limits = c.send_limits(block_size);
+                        s.free
+                            .in_use_limit
+                            .store(limits.filling.unwrap_or(usize::MAX), Ordering::Relaxed);
+                        let live = limits.live_in_place.unwrap_or(usize::MAX);
+                        s.free.live_in_place_limit.store(live, Ordering::Relaxed);
+                        if live < t.opts.in_place_blocks {
+                            tracing::info!(
+                                peer = c.peer(),
+                                "a live device's frames written in place keep at most {live} of the {} in-place send blocks in use, so that they are still cached when they are sent",
+                                t.opts.in_place_blocks
+                            );
+                        }
                         // Lent blocks cost the sender no memory: when sources write in
                         // place at all, up to a quarter of the receiver's blocks (the machine's limit).
                         s.machine.set_max_lent(if t.opts.in_place_blocks > 0 {

@@ -230,6 +230,9 @@ impl Connection for MemConnection {
     fn cache_budget(&self) -> Option<usize> {
         None
     }
+    fn send_limits(&self, _block_size: usize) -> super::SendLimits {
+        super::SendLimits::default()
+    }
     fn syncs_early(&self) -> bool {
         true
     }

@@ -162,6 +162,11 @@ pub trait Connection: Send {
     /// [`crate::proto::SenderMachine::set_max_full`]. No default, for the same reason as
     /// [`Connection::syncs_early`].
     fn cache_budget(&self) -> Option<usize>;
+    /// How many of its own send blocks (of `block_size` bytes) the sender keeps in use at once on
+    /// this connection ([`SendLimits`]): shm's follow from its cache budget ([`SendLimits::within`]), tcp's are
+    /// [`tcp_send_limits`]; none over verbs. No default, for the same reason as
+    /// [`Connection::syncs_early`].
+    fn send_limits(&self, block_size: usize) -> SendLimits;
     /// Whether the sender writes the receiver's lowest-numbered free block first instead of the
     /// next round-robin one ([`crate::proto::SenderMachine::set_lowest_first`]): tcp, whose
     /// NIC thread copies each block in on the receiving host, so a block written again soon is
@@ -190,31 +195,89 @@ pub const UNIX_SCHEME: &str = "unix:";
 pub const SHM_CACHE_BUDGET: usize = 4 << 20;
 
 /// The tcp transport's [`Connection::cache_budget`] for remote blocks of `block_size` bytes:
-/// [`TCP_CACHE_BUDGET`] where it holds at least [`TCP_BUDGET_MIN_BLOCKS`] of them (blocks of
-/// 1 MiB and less), else none: larger blocks cannot be kept in cache with enough of them FULL to
-/// keep the link busy, and a limit then only throttles.
+/// [`TCP_CACHE_BUDGET`] for blocks up to [`TCP_BUDGET_MAX_BLOCK`] (with [`MIN_FULL_BLOCKS`], 4
+/// blocks FULL at most from 2 MiB up), else none: 4 blocks of 8 MiB fill a last-level cache
+/// already, and a limit there only throttles.
 pub fn tcp_cache_budget(block_size: usize) -> Option<usize> {
-    (block_size.saturating_mul(TCP_BUDGET_MIN_BLOCKS) <= TCP_CACHE_BUDGET)
-        .then_some(TCP_CACHE_BUDGET)
+    (block_size <= TCP_BUDGET_MAX_BLOCK).then_some(TCP_CACHE_BUDGET)
 }
 
-/// Bytes of a tcp receiver's region FULL at once at most ([`tcp_cache_budget`]). The receiving
-/// host's NIC thread copies each block in from the socket, and with 16 blocks of 1 MiB the
-/// sender otherwise keeps some 12 of them FULL (it syncs when a quarter is left): the receiving
-/// copy then walks 12 MiB and cost about twice per byte what it costs into a few blocks (`perf
-/// record` of `bench engine-tcp-place`, README, "A cache budget over tcp"). Not less: a sync over
-/// tcp is a round trip behind what is in flight, up to a loopback socket's 4 MiB send buffer
-/// (`tcp_wmem`'s largest) and the block the NIC thread is copying. Blocks of 512 KiB and less
-/// never reach it with 16 of them, nor do 64 KiB blocks in the 4 MiB region a tcp receiver asks
-/// for.
+/// The tcp transport's [`Connection::send_limits`] for blocks of `block_size` bytes (the same on
+/// the sender as on the receiver): the filling thread's own blocks within [`TCP_CACHE_BUDGET`]
+/// where it holds at least [`TCP_BUDGET_MIN_BLOCKS`] of them (blocks of 1 MiB and less), and a
+/// live device's in-place blocks within it, at least [`TCP_MIN_LIVE_IN_PLACE`], up to
+/// [`TCP_BUDGET_MAX_BLOCK`].
+pub fn tcp_send_limits(block_size: usize) -> SendLimits {
+    let size = block_size.max(1);
+    SendLimits {
+        filling: (size.saturating_mul(TCP_BUDGET_MIN_BLOCKS) <= TCP_CACHE_BUDGET)
+            .then(|| blocks_within(TCP_CACHE_BUDGET, size)),
+        live_in_place: (size <= TCP_BUDGET_MAX_BLOCK)
+            .then(|| (TCP_CACHE_BUDGET / size).max(TCP_MIN_LIVE_IN_PLACE)),
+    }
+}
+
+/// Bytes of a tcp receiver's region FULL at once at most ([`tcp_cache_budget`]), and of a tcp
+/// sender's own blocks in use ([`tcp_send_limits`]). The receiving host's NIC thread copies each
+/// block in from the socket, and with 16 blocks of 1 MiB the sender otherwise keeps some 12 of
+/// them FULL (it syncs when a quarter is left): the receiving copy then walks 12 MiB and cost
+/// about twice per byte what it costs into a few blocks (`perf record` of `bench
+/// engine-tcp-place`, README, "A cache budget over tcp"). The sending copy, from the send
+/// blocks into the socket, costs the same way: at 4 MiB it cost as much per byte as the
+/// receiving one until both ends kept few blocks in use. Not less: a sync over tcp is a round
+/// trip behind what is in flight, up to a loopback socket's 4 MiB send buffer (`tcp_wmem`'s
+/// largest) and the block the NIC thread is copying. Blocks of 512 KiB and less never reach it
+/// with 16 of them, nor do 64 KiB blocks in the 4 MiB region a tcp receiver asks for.
 pub const TCP_CACHE_BUDGET: usize = 8 << 20;
 
-/// The fewest remote blocks a tcp cache budget leaves a sender to keep FULL
-/// ([`tcp_cache_budget`]): for larger blocks there is no budget. With a floor of 4 (shm's
-/// [`MIN_FULL_BLOCKS`]) a lossless stream of 4 MiB blocks, whose blocks stay FULL until a sync
-/// reads them freed, moved a fifth less, and with 8 blocks of 8 MiB FULL at most the engine
-/// moved less in 3 of 4 rounds (README, "A cache budget over tcp").
+/// The largest blocks a tcp connection keeps a cache budget for ([`tcp_cache_budget`],
+/// [`tcp_send_limits`]): with 8 MiB blocks, 4 of them FULL and 2 of the sender's in use moved
+/// no more than no limit (README, "A cache budget over tcp").
+pub const TCP_BUDGET_MAX_BLOCK: usize = 4 << 20;
+
+/// The fewest of its own blocks a tcp sender's filling thread may keep in use under the cache
+/// budget ([`tcp_send_limits`]): for larger blocks it has no limit. Its blocks include those a
+/// lossless message keeps until a sync reads it delivered, and with 4 blocks of 4 MiB a lossless
+/// stream moved less (1 of 8 rounds better, README, "A cache budget over tcp").
 pub const TCP_BUDGET_MIN_BLOCKS: usize = 8;
+
+/// The fewest in-place blocks a tcp sender's live devices may keep in use under the cache budget
+/// ([`tcp_send_limits`]): two, so that one is written while the other is on its way. A live
+/// block is in use only until its write is acknowledged (a lossless one is kept until a sync,
+/// so lossless reservations are not limited).
+pub const TCP_MIN_LIVE_IN_PLACE: usize = 2;
+
+/// How many of its own send blocks a sender keeps in use at once on a connection
+/// ([`Connection::send_limits`]), so that the blocks it copies from (into a socket) or fills are
+/// still in cache when they are used again. `None`: no limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SendLimits {
+    /// The filling thread's own blocks in use (filled, queued, in flight, or kept for a
+    /// lossless message until a sync) before it starts another message; it then also takes the
+    /// most recently freed block first.
+    pub filling: Option<usize>,
+    /// In-place blocks reserved by live (lossy) devices and not yet freed (written, queued, in
+    /// flight) before another reservation takes one; the most recently freed is taken first.
+    /// A reservation waits for one to come back at most [`LIVE_IN_PLACE_PATIENCE`], then takes
+    /// a free one anyway, so that a source that holds its buffers never waits for ever.
+    pub live_in_place: Option<usize>,
+}
+
+impl SendLimits {
+    /// The limits a plain [`Connection::cache_budget`] implies: the filling thread's blocks
+    /// within it ([`blocks_within`]), in-place blocks unlimited (shm, where a live device's
+    /// frames go into the receiver's own blocks, lent).
+    pub fn within(budget: Option<usize>, block_size: usize) -> SendLimits {
+        SendLimits {
+            filling: budget.map(|b| blocks_within(b, block_size)),
+            live_in_place: None,
+        }
+    }
+}
+
+/// How long a reservation waits for one of the in-place blocks in use under
+/// [`SendLimits::live_in_place`] to come back before it takes a free one beyond the limit.
+pub const LIVE_IN_PLACE_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// The smallest and largest budget [`shm_cache_budget`] takes from the machine's cache size: a
 /// cache sysfs reports as tiny or huge (a VM's made-up figures) cannot turn the limit into one

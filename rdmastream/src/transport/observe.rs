@@ -217,6 +217,9 @@ impl Connection for ObservedConnection {
     fn cache_budget(&self) -> Option<usize> {
         self.inner.cache_budget()
     }
+    fn send_limits(&self, block_size: usize) -> super::SendLimits {
+        self.inner.send_limits(block_size)
+    }
     fn syncs_early(&self) -> bool {
         self.inner.syncs_early()
     }

@@ -1195,6 +1195,9 @@ impl Connection for TcpConnection {
     fn cache_budget(&self) -> Option<usize> {
         super::tcp_cache_budget(self.layout.block_size)
     }
+    fn send_limits(&self, block_size: usize) -> super::SendLimits {
+        super::tcp_send_limits(block_size)
+    }
     fn syncs_early(&self) -> bool {
         true
     }
@@ -2394,18 +2397,20 @@ mod tests {
         assert!(conn.take_notices().is_empty(), "nothing of it is kept");
     }
 
-    /// The sender keeps at most 8 MiB of a tcp receiver's region FULL where that is 8 blocks or
-    /// more ([`tcp_cache_budget`]): 8 of 16 blocks of 1 MiB, 32 of 64 of 256 KiB; no limit
-    /// where the region is no larger than the budget (16 blocks of 512 KiB, 64 of 64 KiB) or
-    /// the blocks are larger than 1 MiB (16 of 4 MiB). Without the budget the sending thread
-    /// sets no limit and every case says `None`.
+    /// The sender keeps at most 8 MiB of a tcp receiver's region FULL, at least 4 blocks, for
+    /// blocks up to 4 MiB ([`tcp_cache_budget`]): 8 of 16 blocks of 1 MiB, 32 of 64 of 256 KiB,
+    /// 4 of 16 of 2 and 4 MiB; no limit where the region is no larger than the budget (16 blocks
+    /// of 512 KiB, 64 of 64 KiB) or the blocks are larger than 4 MiB (16 of 8 MiB). Without the
+    /// budget the sending thread sets no limit and every case says `None`.
     #[test]
     fn a_tcp_sender_keeps_at_most_8_mib_of_the_receivers_blocks_full() {
         let blocks = SendBlocks::new(1, 256);
         for (n, size, limit) in [
             (16, 1 << 20, Some(8)),
             (64, 256 << 10, Some(32)),
-            (16, 4 << 20, None),
+            (16, 2 << 20, Some(4)),
+            (16, 4 << 20, Some(4)),
+            (16, 8 << 20, None),
             (16, 512 << 10, None),
             (64, 64 << 10, None),
         ] {
@@ -2423,11 +2428,44 @@ mod tests {
                 "{n} blocks of {size} bytes"
             );
         }
-        // The block size is the receiver's word (a u32 on the wire, so no product overflows
-        // on 64 bits); a size whose product would wrap round to a few bytes still gets no
-        // budget.
-        let wraps = usize::MAX / super::super::TCP_BUDGET_MIN_BLOCKS + 2;
-        assert_eq!(super::super::tcp_cache_budget(wraps), None);
+        // The block size is the receiver's word (a u32 on the wire): a huge one gets no budget.
+        assert_eq!(super::super::tcp_cache_budget(usize::MAX), None);
+    }
+
+    /// The sender's own blocks under the tcp budget ([`tcp_send_limits`], by the sender's block
+    /// size): the filling thread's within 8 MiB where that is 8 blocks or more (none above 1 MiB:
+    /// its blocks include lossless ones kept until a sync), a live device's in-place blocks
+    /// within 8 MiB, at least 2, up to 4 MiB blocks; nothing above. A size whose product would
+    /// wrap round to a few bytes gets no limit either.
+    #[test]
+    fn a_tcp_sender_keeps_8_mib_of_its_own_blocks_in_use() {
+        use super::super::{SendLimits, TCP_BUDGET_MIN_BLOCKS, tcp_send_limits};
+        for (size, filling, live) in [
+            (64 << 10, Some(128), Some(128)),
+            (1 << 20, Some(8), Some(8)),
+            (2 << 20, None, Some(4)),
+            (4 << 20, None, Some(2)),
+            (8 << 20, None, None),
+        ] {
+            assert_eq!(
+                tcp_send_limits(size),
+                SendLimits {
+                    filling,
+                    live_in_place: live
+                },
+                "{size}-byte blocks"
+            );
+            let conn_limits = {
+                let addr = receiver_of(16, size as u32, Vec::new(), false);
+                TcpConnector::new(addr)
+                    .connect(&hello(), Some(&key()), &SendBlocks::new(1, 256))
+                    .unwrap()
+                    .send_limits(size)
+            };
+            assert_eq!(conn_limits, tcp_send_limits(size));
+        }
+        let wraps = usize::MAX / TCP_BUDGET_MIN_BLOCKS + 2;
+        assert_eq!(tcp_send_limits(wraps), SendLimits::default());
     }
 
     #[test]
