@@ -346,8 +346,10 @@ pub struct DeviceInput {
     blocks: Arc<SendBlocks>,
     free_rx: Receiver<usize>,
     free_tx: Sender<usize>,
-    /// In-place blocks taken off `free_rx` by a reservation and still free, oldest first (see
-    /// [`DeviceInput::take_free`]).
+    /// Free in-place blocks taken off `free_rx` by reservations, oldest first: under the
+    /// connection's limit on a live device's in-place blocks, all of them (to take the most
+    /// recently freed); else at most the one a waiting reservation received
+    /// ([`DeviceInput::take_free`]).
     stash: Arc<parking_lot::Mutex<Vec<usize>>>,
     /// How many blocks are set aside for reservations.
     in_place_blocks: usize,
@@ -577,24 +579,32 @@ impl DeviceInput {
     /// and only while fewer than the limit are in use, unless the reservation is out of
     /// `patience` (then the limit is passed: a source holding its buffers never waits for ever).
     fn take_free(&self, patient: bool) -> FreeBlock {
-        let mut stash = self.stash.lock();
-        stash.extend(self.free_rx.try_iter());
-        if stash.is_empty() {
-            return FreeBlock::None;
-        }
         let limit = if self.reliable {
             usize::MAX
         } else {
             self.direct.free.live_in_place_limit.load(Ordering::Relaxed)
         };
+        let mut stash = self.stash.lock();
         if limit == usize::MAX {
-            return FreeBlock::Taken(stash.remove(0));
+            // One at a time: the others stay on the list, for the filling thread to borrow.
+            if !stash.is_empty() {
+                return FreeBlock::Taken(stash.remove(0));
+            }
+            return self
+                .free_rx
+                .try_recv()
+                .map_or(FreeBlock::None, FreeBlock::Taken);
         }
+        stash.extend(self.free_rx.try_iter());
         let in_use = self.in_place_blocks.saturating_sub(stash.len());
-        if in_use >= limit && patient {
-            return FreeBlock::Limited;
+        match stash.last() {
+            None => FreeBlock::None,
+            Some(_) if in_use >= limit && patient => FreeBlock::Limited,
+            Some(&block) => {
+                stash.pop();
+                FreeBlock::Taken(block)
+            }
         }
-        FreeBlock::Taken(stash.pop().expect("not empty"))
     }
 
     /// A reservation of in-place send block `block`.
