@@ -180,8 +180,9 @@ struct FreeLists {
     first_in_place: usize,
     /// How many of the filling thread's own blocks it starts messages in while others are in
     /// use (filled, queued, in flight or waiting for a confirmation): all of them, or fewer
-    /// under the connection's cache budget ([`Connection::cache_budget`], set by the sending
-    /// thread on connecting), so that the blocks it fills are still cached when they are sent;
+    /// under the connection's cache budget ([`crate::transport::SendLimits::filling`], set by
+    /// the sending thread on connecting), so that the blocks it fills are still cached when
+    /// they are sent;
     /// it then also takes the most recently freed block first.
     in_use_limit: Arc<AtomicUsize>,
     /// How many in-place blocks a live device's reservations keep in use at most
