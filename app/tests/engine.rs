@@ -2031,9 +2031,11 @@ fn a_tcp_senders_live_reservations_keep_two_4_mib_blocks_in_use() {
     let opts = SenderOptions {
         name: "limited".into(),
         key: Some(key()),
-        send_blocks: 6,
+        send_blocks: 7,
         block_size: BLOCK,
-        in_place_blocks: 4,
+        // One more than the test holds at once, for the committed frame's block until its
+        // write completes.
+        in_place_blocks: 5,
         ..Default::default()
     };
     let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr)), 4).unwrap();
@@ -2048,9 +2050,10 @@ fn a_tcp_senders_live_reservations_keep_two_4_mib_blocks_in_use() {
     }));
     let a = live.reserve(10, Duration::from_secs(10)).unwrap();
     let b = live.reserve(10, Duration::from_secs(10)).unwrap();
-    // Two in use: a live reservation finds free blocks but may not take one now ...
+    // Two in use: a live reservation that waits less than its patience finds free blocks but
+    // may not take one ...
     assert_eq!(
-        live.reserve(10, Duration::ZERO).unwrap_err(),
+        live.reserve(10, LIVE_IN_PLACE_PATIENCE / 4).unwrap_err(),
         NotReserved::TimedOut
     );
     // ... a lossless one may.
@@ -2059,8 +2062,12 @@ fn a_tcp_senders_live_reservations_keep_two_4_mib_blocks_in_use() {
     let started = std::time::Instant::now();
     let c = live.reserve(10, Duration::from_secs(10)).unwrap();
     assert!(started.elapsed() >= LIVE_IN_PLACE_PATIENCE);
+    // One that would not wait at all takes a free block at once, beyond the limit (its caller
+    // would copy the frame instead: `push_rendering_here`).
+    let d = live.reserve(10, Duration::ZERO).unwrap();
     // The block freed last is taken first (FIFO would give back the oldest free one).
     let last = b.block();
+    drop(d);
     drop(c);
     drop(a);
     drop(b);

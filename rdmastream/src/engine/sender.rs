@@ -476,6 +476,12 @@ impl DeviceInput {
     /// Over shm a lossy device's reservation takes one of the receiver's own blocks first, when
     /// the sending thread has one on offer ([`Reservation::is_remote`]): the frame is then
     /// written once, into the receiver's memory.
+    ///
+    /// Under the connection's limit on a live device's in-place blocks in use
+    /// ([`crate::transport::SendLimits::live_in_place`], tcp from 2 to 4 MiB blocks), a live
+    /// device's reservation that finds the limit's worth in use waits for one to come back, at
+    /// most [`crate::transport::LIVE_IN_PLACE_PATIENCE`] (and `timeout`), then takes a free one
+    /// anyway; with a zero timeout it takes a free one at once.
     pub fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved> {
         if self.in_place_blocks == 0 {
             return Err(NotReserved::Unavailable);
@@ -494,8 +500,11 @@ impl DeviceInput {
             if let Some(r) = self.take_lent(len) {
                 return Ok(r);
             }
+            // Under a limit on in-place blocks in use, a reservation that would not wait takes a
+            // free block at once too: rendering in place beats the copy its caller falls back to.
             let patience = crate::transport::LIVE_IN_PLACE_PATIENCE;
-            let patient = limited_since.is_none_or(|t| t.elapsed() < patience);
+            let patient =
+                !timeout.is_zero() && limited_since.is_none_or(|t| t.elapsed() < patience);
             match self.take_free(patient) {
                 FreeBlock::Taken(block) => return Ok(self.local(block, len)),
                 FreeBlock::Limited => {
