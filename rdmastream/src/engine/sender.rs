@@ -202,13 +202,36 @@ impl FreeLists {
     }
 }
 
-/// What [`DeviceInput::take_free`] found.
+/// What [`take_within`] found.
 enum FreeBlock {
     Taken(usize),
-    /// Free blocks, but the limit's worth in use.
+    /// The limit's worth in use.
     Limited,
     /// None free.
     None,
+}
+
+/// Takes a block off a free list under a limit on blocks in use, the rule both limited lists
+/// share (the filling thread's own blocks, [`FreeLists::in_use_limit`]; a live device's in-place
+/// blocks, [`FreeLists::live_in_place_limit`]): `free` holds the free ones of `total`, oldest
+/// first. Without a limit (`usize::MAX`) the oldest is taken; under one the most recently freed
+/// (the one most likely still cached), and none while the limit's worth is in use and the taker
+/// `holds` to it.
+fn take_within(
+    free: &mut std::collections::VecDeque<usize>,
+    total: usize,
+    limit: usize,
+    holds: bool,
+) -> FreeBlock {
+    if holds && total.saturating_sub(free.len()) >= limit {
+        return FreeBlock::Limited;
+    }
+    let next = if limit == usize::MAX {
+        free.pop_front()
+    } else {
+        free.pop_back()
+    };
+    next.map_or(FreeBlock::None, FreeBlock::Taken)
 }
 
 /// Why [`DeviceInput::reserve`] gave no send block; the source copies the frame instead
@@ -351,7 +374,7 @@ pub struct DeviceInput {
     /// connection's limit on a live device's in-place blocks, all of them (to take the most
     /// recently freed); else at most the one a waiting reservation received
     /// ([`DeviceInput::take_free`]).
-    stash: Arc<parking_lot::Mutex<Vec<usize>>>,
+    stash: Arc<parking_lot::Mutex<std::collections::VecDeque<usize>>>,
     /// How many blocks are set aside for reservations.
     in_place_blocks: usize,
     /// Receiver's blocks lent out (shm), taken first by reservations of a lossy device.
@@ -528,7 +551,7 @@ impl DeviceInput {
             match sel.select_timeout(wait) {
                 Ok(op) if op.index() == 0 => {
                     if let Ok(block) = op.recv(&self.free_rx) {
-                        self.stash.lock().push(block);
+                        self.stash.lock().push_back(block);
                     }
                 }
                 Ok(op) => {
@@ -597,24 +620,19 @@ impl DeviceInput {
         let mut stash = self.stash.lock();
         if limit == usize::MAX {
             // One at a time: the others stay on the list, for the filling thread to borrow.
-            if !stash.is_empty() {
-                return FreeBlock::Taken(stash.remove(0));
+            if stash.is_empty()
+                && let Ok(block) = self.free_rx.try_recv()
+            {
+                stash.push_back(block);
             }
-            return self
-                .free_rx
-                .try_recv()
-                .map_or(FreeBlock::None, FreeBlock::Taken);
+        } else {
+            stash.extend(self.free_rx.try_iter());
         }
-        stash.extend(self.free_rx.try_iter());
-        let in_use = self.in_place_blocks.saturating_sub(stash.len());
-        match stash.last() {
-            None => FreeBlock::None,
-            Some(_) if in_use >= limit && patient => FreeBlock::Limited,
-            Some(&block) => {
-                stash.pop();
-                FreeBlock::Taken(block)
-            }
+        // Held by the limit only while a block is free (the patience counts from then).
+        if stash.is_empty() {
+            return FreeBlock::None;
         }
+        take_within(&mut stash, self.in_place_blocks, limit, patient)
     }
 
     /// A reservation of in-place send block `block`.
@@ -979,7 +997,7 @@ pub struct SenderHandle {
     blocks: Arc<SendBlocks>,
     free_rx: Receiver<usize>,
     free_tx: Sender<usize>,
-    stash: Arc<parking_lot::Mutex<Vec<usize>>>,
+    stash: Arc<parking_lot::Mutex<std::collections::VecDeque<usize>>>,
     in_place_blocks: usize,
     lent: LentBlocks,
     direct: Direct,
@@ -1319,20 +1337,16 @@ fn filling_loop(
             let mut free_now = stash.borrow_mut();
             free_now.extend(free.try_iter());
             let limit = free_lists.in_use_limit.load(Ordering::Relaxed);
-            let limited = starts && own.saturating_sub(free_now.len()) >= limit;
-            if !limited {
-                let next = if limit == usize::MAX {
-                    free_now.pop_front()
-                } else {
-                    free_now.pop_back()
-                };
-                if let Some(i) = next {
-                    return Some(i);
+            let limited = match take_within(&mut free_now, own, limit, starts) {
+                FreeBlock::Taken(i) => return Some(i),
+                FreeBlock::Limited => true,
+                FreeBlock::None => {
+                    if let Ok(i) = in_place.try_recv() {
+                        return Some(i);
+                    }
+                    false
                 }
-                if let Ok(i) = in_place.try_recv() {
-                    return Some(i);
-                }
-            }
+            };
             drop(free_now);
             let mut sel = Select::new();
             sel.recv(&free);
