@@ -69,7 +69,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-shm-live|engine-shm-place|transport-tcp|plain-tcp|region-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-tcp-lossless-place|engine-shm-live|engine-shm-place|transport-tcp|plain-tcp|region-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M] [--block BYTES] [--buffers N (plain-tcp)]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
@@ -198,10 +198,17 @@ fn main() {
         }
         // A live device's frames over tcp or shm at one block size: pushed (copied by the
         // filling thread; over shm once, into a lent receiver's block) or, `-place`, written in
-        // place by the source.
-        "engine-tcp-live" | "engine-tcp-place" | "engine-shm-live" | "engine-shm-place" => {
+        // place by the source; `engine-tcp-lossless-place`: a lossless device's, written in
+        // place (`engine-tcp` is a lossless device's pushed).
+        "engine-tcp-live"
+        | "engine-tcp-place"
+        | "engine-tcp-lossless-place"
+        | "engine-shm-live"
+        | "engine-shm-place" => {
             let block = opt("--block", 1048576.0) as usize;
-            let frames = if what.ends_with("-place") {
+            let frames = if what.contains("lossless") {
+                Frames::LosslessPlaced
+            } else if what.ends_with("-place") {
                 Frames::Placed
             } else {
                 Frames::Live
@@ -300,12 +307,13 @@ fn block_rate(
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> Measured {
+    let lossless = matches!(frames, Frames::Lossless | Frames::LosslessPlaced);
     let m = Small {
         len: payload_capacity(block),
-        reliable: frames == Frames::Lossless,
+        reliable: lossless,
         coalesce_wait: Duration::ZERO,
-        lend: frames != Frames::Lossless,
-        place: frames == Frames::Placed,
+        lend: !lossless,
+        place: matches!(frames, Frames::Placed | Frames::LosslessPlaced),
     };
     let per_message = engine_messages(block, m, secs, listener, connector);
     Measured {
@@ -361,6 +369,8 @@ enum Frames {
     Live,
     /// A live device's frames, written in place by the source.
     Placed,
+    /// A lossless device's frames, written in place by the source.
+    LosslessPlaced,
 }
 
 /// What the source of [`engine_messages`] pushes.
