@@ -2483,6 +2483,154 @@ fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
     receiver.stop();
 }
 
+/// A [`Hoard`] whose receiver can be held back: while the gate is shut, `handle` waits (so the
+/// receiver frees no block).
+#[derive(Default)]
+struct GatedHoard {
+    hoard: Hoard,
+    shut: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+}
+
+impl GatedHoard {
+    fn set_shut(&self, shut: bool) {
+        *self.shut.lock().unwrap() = shut;
+        self.opened.notify_all();
+    }
+}
+
+impl rdmastream::engine::FrameSink for GatedHoard {
+    fn handle(
+        &self,
+        key: &rdmastream::engine::StreamKey,
+        sender: u64,
+        counters: &Arc<rdmastream::stats::DeviceCounters>,
+        event: rdmastream::proto::StreamEvent,
+    ) {
+        let mut shut = self.shut.lock().unwrap();
+        while *shut {
+            shut = self.opened.wait(shut).unwrap();
+        }
+        drop(shut);
+        self.hoard.handle(key, sender, counters, event);
+    }
+}
+
+/// Over shm, while the sending thread lends no receiver's block because blocks queued before
+/// wait for the receiver's free ones, a lossy device's reservation waits a moment
+/// (`LENT_PATIENCE`) for one before it takes a send block of its own, which would be copied and
+/// queued behind the others (a stream that had fallen behind once stayed on send blocks for
+/// 10–40 ms, README "Back to the receiver's blocks after a stall"); with a zero timeout it takes
+/// the send block at once. Once the receiver catches up, reservations get receiver's blocks
+/// again, and every frame arrives in order, bit-exact.
+#[test]
+fn a_reservation_waits_a_moment_for_a_receivers_block_while_the_sender_is_behind() {
+    let patience = rdmastream::engine::sender::LENT_PATIENCE;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("rx.sock");
+    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let sink = Arc::new(GatedHoard::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
+    let opts = SenderOptions {
+        name: "behind".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: 4096,
+        in_place_blocks: 2,
+        ..Default::default()
+    };
+    let connector = rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap();
+    let s = SenderHandle::start(opts, Box::new(connector), 1024).unwrap();
+    let input = s.add_device(1, DropPolicy::DropOldest);
+    let wait = Duration::from_secs(10);
+    // Frame i is the i-th sent, 100 bytes of i.
+    let mut want = Vec::new();
+    let commit = |mut r: rdmastream::engine::Reservation, want: &mut Vec<(u64, Vec<u8>)>| {
+        let index = want.len() as u64;
+        let bytes = vec![index as u8; 100];
+        r.payload_mut().copy_from_slice(&bytes);
+        assert!(r.commit(meta(index)));
+        want.push((index, bytes));
+    };
+    // Connected and lending.
+    let mut first = None;
+    assert!(wait_until(wait, || {
+        first = input
+            .reserve(100, Duration::from_millis(20))
+            .ok()
+            .filter(|r| r.is_remote());
+        first.is_some()
+    }));
+    commit(first.take().unwrap(), &mut want);
+    assert!(wait_until(wait, || sink.hoard.0.lock().unwrap().len() == 1));
+    // The receiver held back: pushed frames fill its 8 blocks, then two of the filling thread's
+    // 4 send blocks wait in the queue for a free one (with more it would borrow the in-place
+    // blocks too).
+    sink.set_shut(true);
+    // Opened again however the test ends, so that the receiver can stop.
+    struct Reopen<'a>(&'a GatedHoard);
+    impl Drop for Reopen<'_> {
+        fn drop(&mut self) {
+            self.0.set_shut(false);
+        }
+    }
+    let _reopen = Reopen(&sink);
+    for _ in 0..10 {
+        let index = want.len() as u64;
+        let bytes = vec![index as u8; 100];
+        assert!(input.push(octets(index, bytes.clone())));
+        want.push((index, bytes));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    // Receiver's blocks still on offer from before go to frames first.
+    loop {
+        let r = input
+            .reserve(100, Duration::ZERO)
+            .expect("an in-place block is free");
+        if !r.is_remote() {
+            // Back to the free list: the next reservation finds it free.
+            drop(r);
+            break;
+        }
+        commit(r, &mut want);
+    }
+    let t0 = std::time::Instant::now();
+    let r = input.reserve(100, wait).expect("an in-place block is free");
+    let waited = t0.elapsed();
+    assert!(
+        !r.is_remote(),
+        "nothing can be lent while the receiver is held back"
+    );
+    assert!(
+        waited >= patience,
+        "took a send block after {waited:?}, without waiting {patience:?} for a receiver's block"
+    );
+    drop(r);
+    let r = input
+        .reserve(100, Duration::ZERO)
+        .expect("a zero timeout takes a free block");
+    assert!(!r.is_remote());
+    commit(r, &mut want);
+    // The receiver catches up: receiver's blocks are lent again.
+    sink.set_shut(false);
+    let mut remote = false;
+    assert!(wait_until(wait, || {
+        let r = input.reserve(100, Duration::from_millis(20)).unwrap();
+        remote = r.is_remote();
+        commit(r, &mut want);
+        remote
+    }));
+    input.end();
+    let report = s.finish(Duration::from_secs(20)).unwrap();
+    assert_eq!(report.unsent, 0);
+    assert!(wait_until(wait, || receiver.all_senders_ended()));
+    assert_hoarded(&sink.hoard, &want);
+    receiver.stop();
+}
+
 /// Over shm a frame a source wrote into a receiver's block and commits while the sending thread
 /// sleeps has its status byte stored by the committing thread itself (counted in
 /// `SenderReport::driven_here`), without a wake-up of the sending thread, and arrives. Frames

@@ -348,6 +348,16 @@ impl SenderMachine {
         })
     }
 
+    /// Whether lending waits on the queue: the machine lends on this connection, but blocks
+    /// are queued for the receiver's free ones, which they get first, so [`Self::lend`] gives
+    /// none until they are written. A source about to write a frame in place had better wait a
+    /// moment for a lent block than take a send block of its own: that frame would be copied
+    /// once more and queued behind the others, and while such frames keep coming the queue
+    /// never empties and nothing is lent again (the engine's `LENT_PATIENCE`).
+    pub fn lending_waits_on_queue(&self) -> bool {
+        self.lend_cap() > 0 && self.queue.iter().any(|f| f.placed.is_none())
+    }
+
     /// A lent block comes back unused: its status byte was never written, so it is free again.
     /// One of an old connection, or not lent, is ignored.
     pub fn handle_returned(&mut self, lent: Lent) {
@@ -1360,8 +1370,12 @@ mod tests {
     #[test]
     fn lending_waits_for_queued_blocks_and_a_returned_block_is_free_again() {
         let (mut m, now) = synced(4, 3, &[0; 4]);
+        assert!(!m.lending_waits_on_queue(), "nothing queued");
+        m.handle_filled(0, 10, Delivery::Unconfirmed);
+        assert!(!m.lending_waits_on_queue(), "this machine lends nothing");
         m.set_max_lent(1);
-        for i in 0..4 {
+        assert!(m.lending_waits_on_queue());
+        for i in 1..4 {
             m.handle_filled(i, 10, Delivery::Unconfirmed);
         }
         assert_eq!(
@@ -1369,6 +1383,7 @@ mod tests {
             None,
             "four queued blocks need the four free blocks"
         );
+        assert!(m.lending_waits_on_queue());
         let mut early = None;
         let posted: Vec<u64> = std::iter::from_fn(|| match m.poll_action(now) {
             Some(Action::Write { wr_id, .. }) => Some(Some(wr_id)),
@@ -1397,6 +1412,7 @@ mod tests {
         // nothing free it backs off.
         m.handle_sync_completed(now, early, &[0; 4]);
         assert_eq!(m.remote_cache(), &[1; 4]);
+        assert!(!m.lending_waits_on_queue(), "the queue is empty");
         // Nothing queued, nothing free in the cache: a sync for blocks to lend; the receiver
         // freed block 0 meanwhile.
         assert_eq!(m.lend(), None);

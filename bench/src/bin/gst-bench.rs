@@ -17,6 +17,10 @@
 //! ```sh
 //! cargo run --release -p rdmastream-bench --bin gst-bench -- [--seconds 5] [--warmup 1]
 //! ```
+//!
+//! `GST_BENCH_TRACE=/tmp/trace` writes, for each measured pipeline, every frame's arrival (ns
+//! into the window) and latency (ns), one frame per line, to `/tmp/trace.<receiver's pid>`:
+//! to see whether a run's slow frames come in bursts (and when) or are spread out.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -185,6 +189,7 @@ fn sleep_until(t_ns: u64) {
 struct Received {
     frames: u64,
     latencies_ns: Vec<u64>,
+    arrivals_ns: Vec<u64>,
 }
 
 /// One side of a run: plays its pipeline, measures over [start, end], prints one RESULT line.
@@ -256,6 +261,7 @@ fn child(args: &[String]) {
                     let mut r = received.lock().unwrap();
                     r.frames += 1;
                     r.latencies_ns.push(now.saturating_sub(sent));
+                    r.arrivals_ns.push(now - start);
                 }
             }
             gst::PadProbeReturn::Ok
@@ -281,6 +287,13 @@ fn child(args: &[String]) {
     check_bus();
     let window = Duration::from_nanos(end - start);
     let mut r = received.lock().unwrap();
+    if let Ok(path) = std::env::var("GST_BENCH_TRACE") {
+        let mut out = String::new();
+        for (a, l) in r.arrivals_ns.iter().zip(&r.latencies_ns) {
+            out.push_str(&format!("{a} {l}\n"));
+        }
+        let _ = std::fs::write(format!("{path}.{}", std::process::id()), out);
+    }
     r.latencies_ns.sort_unstable();
     let q = |p: f64| -> u64 {
         if r.latencies_ns.is_empty() {

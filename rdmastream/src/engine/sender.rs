@@ -145,6 +145,11 @@ struct LentBlocks {
     rx: Receiver<LentBlock>,
     /// The connection the offered blocks belong to (`Lent::epoch`); 0 while disconnected.
     epoch: Arc<AtomicU64>,
+    /// The sending thread lends on this connection, but none now: blocks queued before need
+    /// the receiver's free blocks first ([`crate::proto::sender::SenderMachine::lending_waits_on_queue`],
+    /// as of its last turn). A reservation then waits a moment for a lent block
+    /// ([`LENT_PATIENCE`]).
+    waits_on_queue: Arc<AtomicBool>,
 }
 
 impl LentBlocks {
@@ -154,6 +159,7 @@ impl LentBlocks {
             tx,
             rx,
             epoch: Arc::new(AtomicU64::new(0)),
+            waits_on_queue: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -498,7 +504,9 @@ impl DeviceInput {
     ///
     /// Over shm a lossy device's reservation takes one of the receiver's own blocks first, when
     /// the sending thread has one on offer ([`Reservation::is_remote`]): the frame is then
-    /// written once, into the receiver's memory.
+    /// written once, into the receiver's memory. When it has none on offer because blocks
+    /// queued before wait for the receiver's free blocks, the reservation waits for one at most
+    /// [`LENT_PATIENCE`] (and `timeout`) before it takes a send block.
     ///
     /// Under the connection's limit on a live device's in-place blocks in use
     /// ([`crate::transport::SendLimits::live_in_place`], tcp from 2 to 4 MiB blocks), a live
@@ -515,6 +523,8 @@ impl DeviceInput {
         let deadline = Instant::now() + timeout;
         // Since when a free block waits for one in use to come back (the limit).
         let mut limited_since: Option<Instant> = None;
+        // Whether this reservation has waited its moment for a lent block.
+        let mut waited_for_lent = false;
         loop {
             if self.stopped.load(Ordering::Acquire) {
                 return Err(NotReserved::Stopped);
@@ -522,6 +532,22 @@ impl DeviceInput {
             // A block free now is taken even with a zero timeout.
             if let Some(r) = self.take_lent(len) {
                 return Ok(r);
+            }
+            // The sending thread lends none while blocks queued before wait for the receiver's
+            // free ones: a moment's wait for a lent block beats one more copied and queued.
+            if !self.reliable
+                && !waited_for_lent
+                && self.lent.waits_on_queue.load(Ordering::Relaxed)
+            {
+                waited_for_lent = true;
+                let wait = LENT_PATIENCE.min(deadline.saturating_duration_since(Instant::now()));
+                if !wait.is_zero() {
+                    if let Ok(b) = self.lent.rx.recv_timeout(wait) {
+                        // Offer it again: `take_lent` checks its connection.
+                        self.lent.offer(b);
+                    }
+                    continue;
+                }
             }
             // Under a limit on in-place blocks in use, a reservation that would not wait takes a
             // free block at once too: rendering in place beats the copy its caller falls back to.
@@ -819,6 +845,17 @@ struct SendState {
 /// Turns a handing thread takes at most on the connection before it lets go (each posts what
 /// the machine has, hands back what completed and lends freed blocks again).
 const TURNS_HERE: usize = 4;
+
+/// How long a lossy device's reservation waits for a lent receiver's block while the sending
+/// thread lends none because blocks queued before need the receiver's free ones
+/// ([`crate::proto::sender::SenderMachine::lending_waits_on_queue`]; shm), before it takes a
+/// send block of its own. Without the wait, a stream that fell behind once (a stall of a few
+/// milliseconds) went on in send blocks, each copied into the receiver's memory by the sending
+/// thread and queued behind the others, so the queue never emptied and the sender lent
+/// nothing again for 10–40 ms at half the frame rate (README, "Back to the receiver's blocks
+/// after a stall"). Once per reservation, and never longer than its timeout (a zero timeout
+/// does not wait).
+pub const LENT_PATIENCE: Duration = Duration::from_millis(1);
 
 impl SendState {
     fn intake(&mut self, ev: ToSending) {
@@ -1828,6 +1865,8 @@ impl Sending {
                 }
             }
         }
+        lent.waits_on_queue
+            .store(self.machine.lending_waits_on_queue(), Ordering::Relaxed);
     }
 
     /// Send block `i` is delivered: count its frame (if it ends one) or the frames coalesced
@@ -2053,6 +2092,7 @@ fn sending_thread(t: SendingThread) -> Result<SenderReport> {
             // Blocks lent on this connection are worthless now (reservations holding one
             // find out when they commit: their frame is counted as dropped).
             t.lent.epoch.store(0, Ordering::Release);
+            t.lent.waits_on_queue.store(false, Ordering::Relaxed);
             t.lent.rx.try_iter().for_each(drop);
             s.release_freed();
             t.drops.fetch_add(1, Ordering::Release);
