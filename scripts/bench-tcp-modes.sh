@@ -18,15 +18,7 @@ bench=target/release/bench
 source scripts/machine-busy.sh
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
-run() { # label, then the command
-  local label=$1
-  shift
-  local b0 out mbs
-  b0=$(busy_ms)
-  out=$("$@" 2>&1)
-  mbs=$(grep -o '[0-9.]* MB/s' <<<"$out" | head -1 | cut -d' ' -f1)
-  echo "$label $mbs $(($(busy_ms) - b0))" >>"$results"
-}
+run() { record_run "$results" "$@"; } # label, then the command
 modes=(engine-tcp engine-tcp-lossless-place engine-tcp-place)
 for i in $(seq "$rounds"); do
   run plain-tcp $bench plain-tcp --block "$block" --seconds $seconds
