@@ -14,7 +14,7 @@ SLOW_NS = 120_000
 for path in sys.argv[1:]:
     rows = [tuple(map(int, line.split())) for line in open(path) if line.strip()]
     if len(rows) < 10_000:
-        print(f"{path}: {len(rows)} frames, too few for spells (a 25 fps pipeline)")
+        print(f"{path}: {len(rows)} frames, too few to speak of spells (a 25 fps run)")
         continue
     lat = sorted(l for _, l in rows)
     p99 = lat[min(len(lat) - 1, round((len(lat) - 1) * 0.99))]

@@ -287,7 +287,9 @@ fn child(args: &[String]) {
     check_bus();
     let window = Duration::from_nanos(end - start);
     let mut r = received.lock().unwrap();
-    if let Ok(path) = std::env::var("GST_BENCH_TRACE") {
+    if let Ok(path) = std::env::var("GST_BENCH_TRACE")
+        && !r.arrivals_ns.is_empty()
+    {
         let mut out = String::new();
         for (a, l) in r.arrivals_ns.iter().zip(&r.latencies_ns) {
             out.push_str(&format!("{a} {l}\n"));
