@@ -2399,22 +2399,33 @@ fn a_dropped_committed_frame_gives_its_in_place_block_back() {
 }
 
 /// A sender over shm with 4 send blocks of 4096 bytes, `in_place_blocks` of them in place (so it
-/// lends the receiver's blocks), and a receiver hoarding every frame on a fresh socket (`path`,
-/// inside `_dir`) with 8 blocks.
-struct LendingPair {
+/// lends the receiver's blocks), and a receiver handing every frame to `sink` (a [`Hoard`] by
+/// default) on a fresh socket (`path`, inside `_dir`) with 8 blocks.
+struct LendingPair<S = Hoard> {
     _dir: tempfile::TempDir,
     path: std::path::PathBuf,
-    sink: Arc<Hoard>,
+    sink: Arc<S>,
     receiver: ReceiverHandle,
     sender: SenderHandle,
 }
 
 fn lending_over_shm(name: &str, in_place_blocks: usize) -> LendingPair {
+    lending_over_shm_into(name, in_place_blocks)
+}
+
+/// [`lending_over_shm`] with a sink of type `S`.
+fn lending_over_shm_into<S: rdmastream::engine::FrameSink + Default + 'static>(
+    name: &str,
+    in_place_blocks: usize,
+) -> LendingPair<S> {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("rx.sock");
     let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
     let addr = listener.local_addr();
-    let (sink, receiver) = hoarding(Box::new(listener));
+    let sink = Arc::new(S::default());
+    let receiver =
+        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
+            .unwrap();
     let opts = SenderOptions {
         name: name.into(),
         key: Some(key()),
@@ -2526,24 +2537,13 @@ impl rdmastream::engine::FrameSink for GatedHoard {
 #[test]
 fn a_reservation_waits_a_moment_for_a_receivers_block_while_the_sender_is_behind() {
     let patience = rdmastream::engine::sender::LENT_PATIENCE;
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("rx.sock");
-    let listener = rdmastream_verbs::shm::listen(&path, settings(8, 4096, vec![])).unwrap();
-    let addr = listener.local_addr();
-    let sink = Arc::new(GatedHoard::default());
-    let receiver =
-        ReceiverHandle::start(ReceiverOptions::default(), Box::new(listener), sink.clone())
-            .unwrap();
-    let opts = SenderOptions {
-        name: "behind".into(),
-        key: Some(key()),
-        send_blocks: 4,
-        block_size: 4096,
-        in_place_blocks: 2,
-        ..Default::default()
-    };
-    let connector = rdmastream_verbs::shm::ShmConnector::new(&addr).unwrap();
-    let s = SenderHandle::start(opts, Box::new(connector), 1024).unwrap();
+    let LendingPair {
+        _dir,
+        sink,
+        receiver,
+        sender: s,
+        ..
+    } = lending_over_shm_into::<GatedHoard>("behind", 2);
     let input = s.add_device(1, DropPolicy::DropOldest);
     let wait = Duration::from_secs(10);
     // Frame i is the i-th sent, 100 bytes of i.
