@@ -1152,6 +1152,52 @@ fn buffers_of_the_proposed_pool_are_sent_in_place_and_others_copied() {
     caps_until_eos(&mut rx);
 }
 
+/// A buffer from elsewhere is copied by `render` into a free in-place block; with none free (the
+/// only one is held by a pool buffer upstream has not pushed yet) `render` waits its 2 ms for
+/// one and then leaves the copy to the filling thread. Either way every frame arrives bit-exact
+/// and in order, the pooled one between the copies included.
+#[test]
+fn a_copy_without_a_free_in_place_block_waits_a_moment_then_goes_to_the_filling_thread() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 11, &[]);
+    let mut tx = sink(port, 11, GRAY, &[("in-place-blocks", 1i32.to_value())]);
+    let pool = proposed_pool(&tx);
+    let held = pooled(&pool, 9);
+    let mut want = Vec::new();
+    for i in 0..3u8 {
+        let b = buffer(vec![0x10 | i; 8], 100 * i as u64, 100);
+        want.push(bytes(&b));
+        let started = std::time::Instant::now();
+        tx.push(b).unwrap();
+        assert!(
+            started.elapsed() >= std::time::Duration::from_millis(2),
+            "copy {i} went on after {:?}, without waiting for an in-place block",
+            started.elapsed()
+        );
+    }
+    want.push(bytes(&held));
+    tx.push(held).unwrap();
+    for i in 3..6u8 {
+        let b = buffer(vec![0x10 | i; 8], 100 * i as u64, 100);
+        want.push(bytes(&b));
+        tx.push(b).unwrap();
+    }
+    for (i, want) in want.iter().enumerate() {
+        let b = rx.pull().unwrap();
+        assert_eq!(&bytes(&b), want, "frame {i}");
+        assert_eq!(b.offset(), i as u64);
+    }
+    let st = stats(&tx.element().unwrap());
+    assert_eq!(st.get::<u64>("frames-copied").unwrap(), 6);
+    assert_eq!(st.get::<u64>("frames-in-place").unwrap(), 1);
+    // Over tcp nothing lands in the receiver's memory directly.
+    assert_eq!(st.get::<u64>("frames-copied-to-receiver").unwrap(), 0);
+    pool.set_active(false).unwrap();
+    assert!(tx.push_event(gst::event::Eos::new()));
+    caps_until_eos(&mut rx);
+}
+
 /// `in-place-blocks=0` turns the pool off: every frame is copied, and arrives.
 #[test]
 fn in_place_blocks_zero_offers_no_pool() {

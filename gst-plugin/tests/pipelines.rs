@@ -274,7 +274,7 @@ fn a_sink_whose_pool_is_full_still_gives_up_after_its_reconnect_timeout() {
 /// a scan finds nothing, so every block is found after a sleep.
 #[test]
 fn raw_video_arrives_byte_exact_over_shm() {
-    vga_arrives_byte_exact_over_shm("block-size=262144");
+    vga_arrives_byte_exact_over_shm("block-size=262144", "");
 }
 
 /// Over shm with frames that fit one block, the buffers of `rdmasink`'s pool are blocks of the
@@ -282,16 +282,31 @@ fn raw_video_arrives_byte_exact_over_shm() {
 /// and the sender posts only status bytes. The log says so, and the bytes still match.
 #[test]
 fn raw_video_written_into_the_receivers_memory_over_shm_arrives_byte_exact() {
-    let log = vga_arrives_byte_exact_over_shm("block-size=1048576");
+    let log = vga_arrives_byte_exact_over_shm("block-size=1048576", "");
     assert!(
-        log.contains("straight into the receiver's memory"),
+        log.contains("in place: upstream wrote the frame straight into the receiver's memory"),
         "videotestsrc did not write into the receiver's blocks; log:\n{log}"
     );
 }
 
-/// Streams 40 frames of 640×480 RGB over shm (`options` on both elements) into a file, checks
-/// the bytes equal videotestsrc ! filesink's and returns the sender's log.
-fn vga_arrives_byte_exact_over_shm(options: &str) -> String {
+/// Over shm a buffer from elsewhere (here `identity drop-allocation=true` keeps `videotestsrc`
+/// off the pool) is copied by `rdmasink` itself straight into a block of the receiver's memory
+/// whenever the sending thread has one on offer: one copy, as shmsink makes, not two. The log
+/// says so, and the bytes still match.
+#[test]
+fn raw_video_from_elsewhere_is_copied_straight_into_the_receivers_memory_over_shm() {
+    let log =
+        vga_arrives_byte_exact_over_shm("block-size=1048576", "identity drop-allocation=true ! ");
+    assert!(
+        log.contains("copied straight into the receiver's memory"),
+        "rdmasink did not copy into the receiver's blocks; log:\n{log}"
+    );
+}
+
+/// Streams 40 frames of 640×480 RGB over shm (`options` on both elements, `between` before
+/// `rdmasink`) into a file, checks the bytes equal videotestsrc ! filesink's and returns the
+/// sender's log.
+fn vga_arrives_byte_exact_over_shm(options: &str, between: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let sock = format!("unix:{}", d.join("rx.sock").display());
@@ -312,7 +327,9 @@ fn vga_arrives_byte_exact_over_shm(options: &str) -> String {
     let tx = Launch::start(
         d,
         "sender",
-        &format!("{src} ! rdmasink transport=auto host={sock} device-id=3 {options} sync=false"),
+        &format!(
+            "{src} ! {between}rdmasink transport=auto host={sock} device-id=3 {options} sync=false"
+        ),
     );
     let log = tx.success();
     // A unix: address works over shm only: tcp and verbs refuse it.

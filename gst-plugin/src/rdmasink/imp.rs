@@ -49,6 +49,9 @@ const LINGER_INTERRUPTED: Duration = Duration::from_millis(200);
 /// How long READY→PAUSED waits for the first connection with `reconnect=false` (the core's TCP
 /// connect and handshake timeouts are 3 s and 5 s).
 const FIRST_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long `render` waits for a block to copy a buffer from elsewhere into (`drop-policy=block`)
+/// before it leaves the copy to the filling thread.
+const COPY_PATIENCE: Duration = Duration::from_millis(2);
 
 #[derive(Debug, Clone)]
 struct Settings {
@@ -145,6 +148,8 @@ pub struct RdmaSink {
     in_place: AtomicU64,
     in_receiver: AtomicU64,
     copied: AtomicU64,
+    /// Of the copied frames, those `render` copied straight into the receiver's memory (shm).
+    copied_to_receiver: AtomicU64,
     last_path: AtomicU8,
 }
 
@@ -155,8 +160,12 @@ enum Path {
     SendBlock = 1,
     /// Upstream wrote it into a block of the receiver's memory (shm).
     Receiver = 3,
-    /// Copied from a buffer that is not one of this element's blocks.
+    /// Copied from a buffer that is not one of this element's blocks, by the filling thread.
     Copied = 2,
+    /// Copied by `render` into a send block it reserved.
+    CopiedHere = 4,
+    /// Copied by `render` into a block of the receiver's memory (shm).
+    CopiedToReceiver = 5,
 }
 
 #[glib::object_subclass]
@@ -427,6 +436,67 @@ impl RdmaSink {
         Ok(true)
     }
 
+    /// Copies a buffer from elsewhere into a block reserved here, on the streaming thread, and
+    /// commits it: over shm into a block of the receiver's memory whenever the sending thread
+    /// has one on offer (the frame's only copy, as shmsink's), otherwise into a free in-place
+    /// send block. With `drop-policy=block` it waits for one up to [`COPY_PATIENCE`] (over shm
+    /// the reservation's own wait for a receiver's block is part of it), with `drop-oldest` not
+    /// at all. False when it got none (no in-place blocks, a frame larger than one block, all
+    /// in use): the caller pushes the buffer and the filling thread copies it, as before.
+    fn render_copied_here(
+        &self,
+        buffer: &gst::Buffer,
+        lease: &DeviceLease,
+        policy: DropPolicyProperty,
+        (timestamp_ns, duration_ns, pts_ns): (u64, u32, Option<u64>),
+    ) -> Result<bool, gst::FlowError> {
+        let timeout = if policy == DropPolicyProperty::Block {
+            COPY_PATIENCE
+        } else {
+            Duration::ZERO
+        };
+        let mut r = match lease.reserve(buffer.size(), timeout) {
+            Ok(r) => r,
+            Err(rdmastream::engine::NotReserved::Stopped) => return Err(gst::FlowError::Flushing),
+            Err(_) => return Ok(false),
+        };
+        let Ok(map) = buffer.map_readable() else {
+            return Ok(false); // the reservation's block goes back unsent
+        };
+        r.payload_mut().copy_from_slice(&map);
+        drop(map);
+        let remote = r.is_remote();
+        let meta = {
+            let mut state = self.state.lock().unwrap();
+            let State::Started(s) = &mut *state else {
+                return Err(gst::FlowError::Flushing);
+            };
+            // Without caps the caller posts the error (its own path checks them too).
+            let Some(caps) = &s.caps else {
+                return Ok(false);
+            };
+            let meta = FrameMeta {
+                index: s.next_index,
+                timestamp_ns,
+                duration_ns,
+                pts_ns,
+                format: caps.clone(),
+            };
+            s.next_index += 1;
+            meta
+        };
+        lease.count_pushed();
+        if !lease.commit(r, meta) {
+            return Err(gst::FlowError::Flushing);
+        }
+        self.count_path(if remote {
+            Path::CopiedToReceiver
+        } else {
+            Path::CopiedHere
+        });
+        Ok(true)
+    }
+
     /// Counts a frame's path, and says so in the debug log when it changes.
     fn count_path(&self, path: Path) {
         let (counter, text) = match path {
@@ -440,12 +510,26 @@ impl RdmaSink {
             ),
             Path::Copied => (
                 &self.copied,
-                "copied: the buffer is not one of this element's send blocks",
+                "copied: the buffer is not one of this element's send blocks (the filling thread copies it)",
+            ),
+            Path::CopiedHere => (
+                &self.copied,
+                "copied: the buffer is not one of this element's send blocks (copied into one here)",
+            ),
+            Path::CopiedToReceiver => (
+                &self.copied_to_receiver,
+                "copied: the buffer is not one of this element's send blocks (copied straight into the receiver's memory, shm)",
             ),
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        if path == Path::Receiver {
-            self.in_place.fetch_add(1, Ordering::Relaxed);
+        match path {
+            Path::Receiver => {
+                self.in_place.fetch_add(1, Ordering::Relaxed);
+            }
+            Path::CopiedToReceiver => {
+                self.copied.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
         }
         let path = path as u8;
         if self.last_path.swap(path, Ordering::Relaxed) != path {
@@ -532,7 +616,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecInt::builder("in-place-blocks")
                     .nick("In-place send blocks")
-                    .blurb("Send blocks for the buffer pool upstream writes frames into, added to `blocks` (which carry copied frames, caps and EOS): a frame waiting in place never holds up a copied one; -1: half of `blocks`; 0: no pool, every frame is copied. Over tcp with blocks of 2 to 4 MiB a live stream keeps at most 8 MiB of them in use (a buffer beyond waits up to 20 ms). Set by the first sink of a shared connection")
+                    .blurb("Send blocks for the buffer pool upstream writes frames into, added to `blocks` (which carry caps, EOS and the frames copied when no in-place block is free): a frame waiting in place never holds up a copied one; -1: half of `blocks`; 0: no pool, every frame is copied. Over tcp with blocks of 2 to 4 MiB a live stream keeps at most 8 MiB of them in use (a buffer beyond waits up to 20 ms). Set by the first sink of a shared connection")
                     .minimum(-1)
                     .maximum(4096)
                     .default_value(DEFAULT_IN_PLACE_BLOCKS)
@@ -612,7 +696,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
                     .nick("Statistics")
-                    .blurb("frames-written, bytes-written, frames-dropped, in-flight, frames-in-place, frames-in-receiver-memory, frames-copied, connected, connections, sender-name")
+                    .blurb("frames-written, bytes-written, frames-dropped, in-flight, frames-in-place, frames-in-receiver-memory, frames-copied, frames-copied-to-receiver, connected, connections, sender-name")
                     .read_only()
                     .build(),
             ]
@@ -692,6 +776,10 @@ impl ObjectImpl for RdmaSink {
                             self.in_receiver.load(Ordering::Relaxed),
                         )
                         .field("frames-copied", self.copied.load(Ordering::Relaxed))
+                        .field(
+                            "frames-copied-to-receiver",
+                            self.copied_to_receiver.load(Ordering::Relaxed),
+                        )
                         .field("connected", link.connected)
                         .field("connections", link.connections)
                         .field("sender-name", st.lease.sender_name());
@@ -858,6 +946,7 @@ impl BaseSinkImpl for RdmaSink {
         self.in_place.store(0, Ordering::Relaxed);
         self.in_receiver.store(0, Ordering::Relaxed);
         self.copied.store(0, Ordering::Relaxed);
+        self.copied_to_receiver.store(0, Ordering::Relaxed);
         self.last_path.store(0, Ordering::Relaxed);
         Ok(())
     }
@@ -900,6 +989,10 @@ impl BaseSinkImpl for RdmaSink {
             .duration()
             .map_or(0, |d| d.nseconds().min(u32::MAX as u64) as u32);
         if self.render_in_place(buffer, &lease, timestamp_ns, duration_ns, pts_ns)? {
+            return self.after_push(&lease, buffer);
+        }
+        let times = (timestamp_ns, duration_ns, pts_ns);
+        if self.render_copied_here(buffer, &lease, policy, times)? {
             return self.after_push(&lease, buffer);
         }
         let data = buffer.clone().into_mapped_buffer_readable().map_err(|_| {

@@ -22,12 +22,14 @@
 //! holds a block the filling thread needs to get to it, and a lossless frame of several blocks
 //! is kept for resending as long as it needs fewer than `blocks`. A frame that does not fit
 //! one block (`block-size` minus 60 bytes of header and trailer) gets an ordinary buffer; any
-//! buffer not from the pool is copied by the filling thread as before. Over `transport=shm` a
-//! pooled buffer is, whenever the sending thread has one on offer, a block of the receiver's
-//! memory itself: upstream writes the frame once, where `rdmasrc` reads it, and the sender posts
-//! only its status byte. The `stats` structure counts `frames-in-place` (of which
-//! `frames-in-receiver-memory`) and `frames-copied`, and the element logs (info) which path the
-//! frames take whenever it changes. `enable-last-sample` defaults to false here: a kept last sample would
+//! buffer not from the pool is copied: by `render` itself into an in-place block when one is
+//! free (with `drop-policy=block` it waits up to 2 ms for one), otherwise by the filling thread
+//! into one of `blocks`. Over `transport=shm` a pooled buffer, and the block `render` copies
+//! into, is, whenever the sending thread has one on offer, a block of the receiver's memory
+//! itself: the frame is written once, where `rdmasrc` reads it, and the sender posts only its
+//! status byte. The `stats` structure counts `frames-in-place` (of which
+//! `frames-in-receiver-memory`) and `frames-copied` (of which `frames-copied-to-receiver`), and
+//! the element logs (info) which path the frames take whenever it changes. `enable-last-sample` defaults to false here: a kept last sample would
 //! hold its buffer, and so its block and the frame's commit, until the next frame.
 //!
 //! All `rdmasink` elements of a process with the same `host`, `port`, `transport` and
