@@ -18,6 +18,10 @@
 //! cargo run --release -p rdmastream-bench --bin gst-bench -- [--seconds 5] [--warmup 1]
 //! ```
 //!
+//! The rdma elements are the plugin built into this binary (`GST_PLUGIN_PATH` does not change
+//! them); `GST_BENCH_PLUGIN=/path/libgstrdma.so` runs another build of the plugin instead, to
+//! compare two builds under one `gst-bench`. The first line printed says which ran.
+//!
 //! `GST_BENCH_TRACE=/tmp/trace` writes, for each measured pipeline, every frame's arrival (ns
 //! into the window) and latency (ns), one frame per line, to `/tmp/trace.<receiver's pid>`:
 //! to see whether a run's slow frames come in bursts (and when) or are spread out.
@@ -174,6 +178,43 @@ fn cpu_time() -> Duration {
     Duration::from_millis((ticks(11) + ticks(12)) * 10)
 }
 
+/// Names a `libgstrdma.so` for the children to load instead of the plugin built into this
+/// binary: to compare two builds of the elements under one `gst-bench`.
+const PLUGIN_ENV: &str = "GST_BENCH_PLUGIN";
+
+/// Registers the rdma elements in a child: the plugin file named by [`PLUGIN_ENV`], or the one
+/// built in. Exits naming both when the elements that would run come from elsewhere (a plugin
+/// of the same name found first on `GST_PLUGIN_PATH`).
+fn register_rdma_plugin() {
+    let wanted = std::env::var(PLUGIN_ENV).ok();
+    match &wanted {
+        Some(path) => {
+            if let Err(e) = gst::Plugin::load_file(path) {
+                eprintln!("gst-bench: cannot load {path} ({PLUGIN_ENV}): {e}");
+                std::process::exit(1);
+            }
+        }
+        None => gstrdma::plugin_register_static().unwrap(),
+    }
+    let used = gst::ElementFactory::find("rdmasink")
+        .and_then(|f| f.plugin())
+        .and_then(|p| p.filename())
+        .map(|f| f.display().to_string());
+    let same = match (&wanted, &used) {
+        (None, None) => true,
+        (Some(w), Some(u)) => std::fs::canonicalize(w).ok() == std::fs::canonicalize(u).ok(),
+        _ => false,
+    };
+    if !same {
+        eprintln!(
+            "gst-bench: rdmasink would come from {} instead of {}",
+            used.as_deref().unwrap_or("the built-in plugin"),
+            wanted.as_deref().unwrap_or("the built-in plugin")
+        );
+        std::process::exit(1);
+    }
+}
+
 fn now_ns() -> u64 {
     gst::get_timestamp().nseconds()
 }
@@ -216,7 +257,7 @@ fn child(args: &[String]) {
     let start: u64 = get("--start").parse().unwrap();
     let end: u64 = get("--end").parse().unwrap();
     gst::init().unwrap();
-    gstrdma::plugin_register_static().unwrap();
+    register_rdma_plugin();
     let launch = if role == "send" {
         run.send_pipeline()
     } else {
@@ -424,6 +465,13 @@ fn main() {
     let max_buffers: u32 = opt("--max-buffers", "0").parse().expect("--max-buffers");
     gst::init().unwrap();
     let dir = std::env::temp_dir().join(format!("gst-bench-{}", std::process::id()));
+    match std::env::var(PLUGIN_ENV) {
+        Ok(path) => println!("rdmasink/rdmasrc: the plugin {path} ({PLUGIN_ENV})"),
+        Err(_) => println!(
+            "rdmasink/rdmasrc: the plugin built into this gst-bench (GST_PLUGIN_PATH does not \
+             change it; {PLUGIN_ENV}=/path/libgstrdma.so runs another build)"
+        ),
+    }
     std::fs::create_dir_all(&dir).unwrap();
     println!(
         "640x480 RGB (921600-byte frames); sender and receiver in separate processes on this \
