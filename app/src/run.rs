@@ -96,19 +96,23 @@ enum Runner {
 }
 
 /// The in-place send blocks the sender adds to its `send_blocks` (which stay the filling
-/// thread's): `in_place_blocks` as configured, else as many as `send_blocks` when a synthetic
-/// source's frames fit one block (those render in place, on their own threads), else none.
+/// thread's): `in_place_blocks` as configured, else as many as `send_blocks` when a source's
+/// frames may fit one block (a synthetic source's frames are rendered into them, an images or
+/// GStreamer source's copied into them, on the source's own thread), else none.
 fn in_place_blocks(cfg: &SenderConfig, devices: &[Device]) -> usize {
     cfg.in_place_blocks.unwrap_or_else(|| {
         let capacity = rdmastream::proto::payload_capacity(cfg.block_size);
-        let renders = devices.iter().any(|d| match &d.kind {
-            Source::Builtin(SourceKind::CameraSynthetic { width, height, .. }) => {
+        let fits = devices.iter().any(|d| match &d.kind {
+            Source::Builtin(SourceKind::CameraSynthetic { width, height, .. })
+            | Source::Builtin(SourceKind::Images { width, height, .. }) => {
                 *width as usize * *height as usize * 3 <= capacity
             }
             Source::Builtin(SourceKind::RadarSynthetic { size, .. }) => *size <= capacity,
-            _ => false,
+            // A sample's size is known only when it comes: many (compressed video, smaller
+            // raw frames) fit.
+            Source::Gstreamer(_) => true,
         });
-        if renders { cfg.send_blocks } else { 0 }
+        if fits { cfg.send_blocks } else { 0 }
     })
 }
 
@@ -190,8 +194,10 @@ pub fn sender(
     );
     let mut sender = SenderHandle::start(opts, connector, cfg.queue_depth)?;
     let mut sources = Vec::new();
-    // Built-in sources render each frame on their own thread straight into an in-place send
-    // block when one is free (else the filling thread renders it into one of its own).
+    // Synthetic sources render each frame on their own thread straight into an in-place send
+    // block when one is free (else the filling thread renders it into one of its own); the
+    // images and GStreamer sources' frames are copied the same way (over shm into a receiver's
+    // block when one is on offer: one copy, no hand-over to the filling thread).
     let render_here = in_place_blocks > 0;
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
@@ -203,14 +209,21 @@ pub fn sender(
                     match producer {
                         Runner::Builtin(p) => p.run(&stop, frames, |f| {
                             if render_here {
-                                input.push_rendering_here(f)
+                                input.push_writing_here(f)
                             } else {
                                 input.push(f)
                             }
                         }),
                         #[cfg(feature = "gstreamer")]
                         Runner::Gstreamer(p) => {
-                            if let Err(e) = p.run(&stop, |f| input.push(f)) {
+                            let push = |f| {
+                                if render_here {
+                                    input.push_writing_here(f)
+                                } else {
+                                    input.push(f)
+                                }
+                            };
+                            if let Err(e) = p.run(&stop, push) {
                                 tracing::error!("{e}; ending the device");
                             }
                         }
@@ -315,7 +328,7 @@ pub fn sender(
     let in_place: u64 = all.iter().map(|(_, c)| get(&c.in_place)).sum();
     observer.log_table();
     tracing::info!(
-        "done after {:.1}s: {total} frames written ({in_place} rendered in place by their sources, {} of them straight into the receiver's memory), {drops} dropped, {} write chains ({} status bytes stored by the thread that wrote the frame), {} syncs ({} found nothing free, retained-skipped {}), {} connections, {} blocks unsent",
+        "done after {:.1}s: {total} frames written ({in_place} written in place by their sources, {} of them straight into the receiver's memory), {drops} dropped, {} write chains ({} status bytes stored by the thread that wrote the frame), {} syncs ({} found nothing free, retained-skipped {}), {} connections, {} blocks unsent",
         started.elapsed().as_secs_f64(),
         report.machine.placed,
         report.machine.writes,
@@ -526,7 +539,7 @@ mod tests {
     }
 
     #[test]
-    fn in_place_blocks_default_to_send_blocks_when_a_synthetic_source_renders() {
+    fn in_place_blocks_default_to_send_blocks_when_a_sources_frames_fit_one_block() {
         let camera = "[[device]]\nid = 1\nsource = \"camera-synthetic\"\n";
         let radar = |size: usize| {
             format!(
@@ -538,15 +551,21 @@ mod tests {
         assert_eq!(blocks_for(&format!("send_blocks = 5\n{camera}")), 5);
         assert_eq!(blocks_for(&radar(1000)), 8);
         assert_eq!(blocks_for(&format!("{camera}{}", radar(3_000_000))), 8);
-        // Frames larger than a block, or images (shared buffers, copied): none.
+        // Frames larger than a block: none.
         assert_eq!(blocks_for(&radar(3_000_000)), 0);
         assert_eq!(
             blocks_for("block_size = 65536\n[[device]]\nid = 1\nsource = \"camera-synthetic\"\n"),
             0
         );
+        // Images and GStreamer samples are copied into them on the source's thread.
+        let images = "[[device]]\nid = 2\nsource = \"images\"\ndir = \".\"\n";
+        assert_eq!(blocks_for(images), 8);
+        assert_eq!(blocks_for(&format!("block_size = 65536\n{images}")), 0);
         assert_eq!(
-            blocks_for("[[device]]\nid = 2\nsource = \"images\"\ndir = \".\"\n"),
-            0
+            blocks_for(
+                "[[device]]\nid = 3\nsource = \"gstreamer\"\npipeline = \"videotestsrc ! appsink\"\n"
+            ),
+            8
         );
         // Configured: as configured, 0 included.
         assert_eq!(blocks_for(&format!("in_place_blocks = 3\n{camera}")), 3);

@@ -2494,6 +2494,55 @@ fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
     receiver.stop();
 }
 
+/// `push_writing_here` copies a frame handed over as bytes (as the sender binary's GStreamer
+/// sources hand their samples over) on the caller's thread into a reserved block (over shm a
+/// block of the receiver's memory when one is on offer) and commits it; a frame larger than a
+/// block is pushed, and the filling thread splits it. Every frame arrives bit-exact and in order.
+#[test]
+fn frames_of_bytes_are_copied_on_the_sources_thread_into_reserved_blocks() {
+    let cap = rdmastream::proto::payload_capacity(4096);
+    let LendingPair {
+        _dir,
+        sink,
+        receiver,
+        sender: s,
+        ..
+    } = lending_over_shm("copy-here", 2);
+    let input = s.add_device(5, DropPolicy::DropOldest);
+    let wait = Duration::from_secs(10);
+    assert!(
+        wait_until(wait, || input
+            .reserve(10, Duration::from_millis(20))
+            .is_ok_and(|r| r.is_remote())),
+        "no block of the receiver's memory was ever offered"
+    );
+    let mut want = Vec::new();
+    for index in 0..40u64 {
+        let len = if index % 10 == 5 {
+            3 * cap + 7
+        } else {
+            [cap, 100, 1, cap - 1][index as usize % 4]
+        };
+        let bytes = Rendered::bytes(index as u8, len);
+        assert!(input.push_writing_here(octets(index, bytes.clone())));
+        want.push((index, bytes));
+    }
+    input.end();
+    let in_place = get(&s.counters().device(&5).in_place);
+    let report = finish_delivered(s, &receiver, wait);
+    assert_hoarded(&sink, &want);
+    assert!(in_place > 0, "no frame was copied into a reserved block");
+    assert!(
+        in_place <= 36,
+        "a frame larger than a block was reserved: {in_place}"
+    );
+    assert!(
+        report.machine.placed > 0,
+        "nothing went into the receiver's blocks"
+    );
+    receiver.stop();
+}
+
 /// A [`Hoard`] whose receiver can be held back: while the gate is shut, `handle` waits (so the
 /// receiver frees no block).
 #[derive(Default)]

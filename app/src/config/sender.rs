@@ -26,8 +26,9 @@ pub struct SenderConfig {
     pub key_file: Option<PathBuf>,
     #[serde(default = "d_send_blocks")]
     pub send_blocks: usize,
-    /// Send blocks for frames the synthetic sources render in place, on top of `send_blocks`;
-    /// `None`: as many as `send_blocks` when a synthetic source's frames fit one block, else 0.
+    /// Send blocks for frames the sources write in place (rendered or copied on their own
+    /// threads), on top of `send_blocks`; `None`: as many as `send_blocks` when a source's frames
+    /// may fit one block, else 0.
     #[serde(default)]
     pub in_place_blocks: Option<usize>,
     #[serde(default = "d_block_size")]

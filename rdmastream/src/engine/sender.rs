@@ -478,12 +478,23 @@ impl DeviceInput {
     /// the filling thread renders it once one of its blocks comes free: a source never waits
     /// here longer than a push would make it. Returns false once the sender has shut down.
     pub fn push_rendering_here(&self, frame: SourceFrame) -> bool {
-        let FrameData::Render(writer) = &frame.data else {
+        if !matches!(frame.data, FrameData::Render(_)) {
             return self.push(frame);
-        };
-        match self.reserve(writer.len(), Duration::ZERO) {
+        }
+        self.push_writing_here(frame)
+    }
+
+    /// Like [`push_rendering_here`](Self::push_rendering_here) for any frame: one the source
+    /// renders is rendered here, one it hands over as bytes (a GStreamer sample) is copied here,
+    /// straight into a reserved block, and committed; so over shm, whenever the sending thread
+    /// has a receiver's block on offer, the frame is copied once, into the receiver's memory,
+    /// without a hand-over to the filling thread. When no block is free right now (or none are
+    /// set aside, or the frame needs more than one block) the frame is pushed. Returns false
+    /// once the sender has shut down.
+    pub fn push_writing_here(&self, frame: SourceFrame) -> bool {
+        match self.reserve(frame.data.len(), Duration::ZERO) {
             Ok(mut r) => {
-                writer.write(0, r.payload_mut());
+                frame.data.write(0, r.payload_mut());
                 r.commit(FrameMeta {
                     index: frame.index,
                     timestamp_ns: frame.timestamp_ns,
