@@ -2447,6 +2447,18 @@ fn lending_over_shm_into<S: rdmastream::engine::FrameSink + Default + 'static>(
     }
 }
 
+/// Waits until the sending thread offers `input` a block of the receiver's memory (once
+/// connected over shm it lends); the reservation taken to see it is let go, so the block is on
+/// offer again.
+fn await_lending(input: &rdmastream::engine::DeviceInput) {
+    assert!(
+        wait_until(Duration::from_secs(10), || input
+            .reserve(10, Duration::from_millis(20))
+            .is_ok_and(|r| r.is_remote())),
+        "no block of the receiver's memory was ever offered"
+    );
+}
+
 /// Over shm a lossy device's reservations are blocks of the receiver's memory itself
 /// (`Reservation::is_remote`): the frame is written once, there, and the sender posts only its
 /// status byte. Such frames arrive bit-exact and in order between pushed ones (which take the
@@ -2466,13 +2478,7 @@ fn reserved_frames_over_shm_are_written_into_the_receivers_blocks() {
     let input = s.add_device(3, DropPolicy::DropOldest);
     let lossless = s.add_device(4, DropPolicy::Block);
     let wait = Duration::from_secs(10);
-    // Once connected, the sending thread offers receiver's blocks.
-    assert!(
-        wait_until(wait, || input
-            .reserve(10, Duration::from_millis(20))
-            .is_ok_and(|r| r.is_remote())),
-        "no block of the receiver's memory was ever offered"
-    );
+    await_lending(&input);
     for _ in 0..5 {
         let r = lossless.reserve(10, wait).unwrap();
         assert!(!r.is_remote(), "a lossless device got a receiver's block");
@@ -2510,12 +2516,7 @@ fn frames_of_bytes_are_copied_on_the_sources_thread_into_reserved_blocks() {
     } = lending_over_shm("copy-here", 2);
     let input = s.add_device(5, DropPolicy::DropOldest);
     let wait = Duration::from_secs(10);
-    assert!(
-        wait_until(wait, || input
-            .reserve(10, Duration::from_millis(20))
-            .is_ok_and(|r| r.is_remote())),
-        "no block of the receiver's memory was ever offered"
-    );
+    await_lending(&input);
     let mut want = Vec::new();
     for index in 0..40u64 {
         let len = if index % 10 == 5 {

@@ -129,6 +129,23 @@ struct Started {
     pool: Option<super::pool::BlockPool>,
 }
 
+/// A frame's capture time (ns since the UNIX epoch), duration (ns) and PTS as running time.
+type Times = (u64, u32, Option<u64>);
+
+impl Started {
+    /// The next frame's metadata with these times (the caller counts `next_index` on once the
+    /// frame is handed over); None before caps.
+    fn next_meta(&self, (timestamp_ns, duration_ns, pts_ns): Times) -> Option<FrameMeta> {
+        Some(FrameMeta {
+            index: self.next_index,
+            timestamp_ns,
+            duration_ns,
+            pts_ns,
+            format: self.caps.clone()?,
+        })
+    }
+}
+
 #[derive(Default)]
 enum State {
     #[default]
@@ -394,15 +411,13 @@ impl RdmaSink {
         &self,
         buffer: &gst::Buffer,
         lease: &DeviceLease,
-        timestamp_ns: u64,
-        duration_ns: u32,
-        pts_ns: Option<u64>,
+        times: Times,
     ) -> Result<bool, gst::FlowError> {
         let mut state = self.state.lock().unwrap();
         let State::Started(s) = &mut *state else {
             return Err(gst::FlowError::Flushing);
         };
-        let (Some(pool), Some(caps)) = (&s.pool, &s.caps) else {
+        let (Some(pool), Some(_)) = (&s.pool, &s.caps) else {
             return Ok(false);
         };
         // Only this sink holds the buffer and its memory: let go right after render.
@@ -412,17 +427,9 @@ impl RdmaSink {
         let Ok(map) = buffer.map_readable() else {
             return Ok(false);
         };
-        let meta = FrameMeta {
-            index: s.next_index,
-            timestamp_ns,
-            duration_ns,
-            pts_ns,
-            format: caps.clone(),
-        };
-        let Some(remote) = pool
-            .outstanding()
-            .mark(map.as_ptr() as usize, map.len(), meta)
-        else {
+        let outstanding = pool.outstanding();
+        let meta = s.next_meta(times).expect("caps checked above");
+        let Some(remote) = outstanding.mark(map.as_ptr() as usize, map.len(), meta) else {
             return Ok(false);
         };
         s.next_index += 1;
@@ -448,7 +455,7 @@ impl RdmaSink {
         buffer: &gst::Buffer,
         lease: &DeviceLease,
         policy: DropPolicyProperty,
-        (timestamp_ns, duration_ns, pts_ns): (u64, u32, Option<u64>),
+        times: Times,
     ) -> Result<bool, gst::FlowError> {
         let timeout = if policy == DropPolicyProperty::Block {
             COPY_PATIENCE
@@ -472,15 +479,8 @@ impl RdmaSink {
                 return Err(gst::FlowError::Flushing);
             };
             // Without caps the caller posts the error (its own path checks them too).
-            let Some(caps) = &s.caps else {
+            let Some(meta) = s.next_meta(times) else {
                 return Ok(false);
-            };
-            let meta = FrameMeta {
-                index: s.next_index,
-                timestamp_ns,
-                duration_ns,
-                pts_ns,
-                format: caps.clone(),
             };
             s.next_index += 1;
             meta
@@ -988,10 +988,10 @@ impl BaseSinkImpl for RdmaSink {
         let duration_ns = buffer
             .duration()
             .map_or(0, |d| d.nseconds().min(u32::MAX as u64) as u32);
-        if self.render_in_place(buffer, &lease, timestamp_ns, duration_ns, pts_ns)? {
+        let times = (timestamp_ns, duration_ns, pts_ns);
+        if self.render_in_place(buffer, &lease, times)? {
             return self.after_push(&lease, buffer);
         }
-        let times = (timestamp_ns, duration_ns, pts_ns);
         if self.render_copied_here(buffer, &lease, policy, times)? {
             return self.after_push(&lease, buffer);
         }
