@@ -69,7 +69,7 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-tcp-lossless-place|engine-shm-live|engine-shm-place|transport-tcp|plain-tcp|region-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
+const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-tcp-lossless-place|engine-tcp-copy|engine-tcp-lossless-copy|engine-shm-live|engine-shm-place|engine-shm-copy|transport-tcp|plain-tcp|region-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
                      [--seconds S] [--rounds R] [--minutes M] [--block BYTES] [--buffers N (plain-tcp)]\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
@@ -199,14 +199,23 @@ fn main() {
         // A live device's frames over tcp or shm at one block size: pushed (copied by the
         // filling thread; over shm once, into a lent receiver's block) or, `-place`, written in
         // place by the source; `engine-tcp-lossless-place`: a lossless device's, written in
-        // place (`engine-tcp` is a lossless device's pushed).
+        // place (`engine-tcp` is a lossless device's pushed); `-copy`: handed over as bytes and
+        // copied on the source's thread (`push_writing_here`, the sender binary's images and
+        // GStreamer sources).
         "engine-tcp-live"
         | "engine-tcp-place"
         | "engine-tcp-lossless-place"
+        | "engine-tcp-copy"
+        | "engine-tcp-lossless-copy"
         | "engine-shm-live"
-        | "engine-shm-place" => {
+        | "engine-shm-place"
+        | "engine-shm-copy" => {
             let block = opt("--block", 1048576.0) as usize;
-            let frames = if what.contains("lossless") {
+            let frames = if what.ends_with("lossless-copy") {
+                Frames::LosslessCopiedHere
+            } else if what.ends_with("-copy") {
+                Frames::CopiedHere
+            } else if what.contains("lossless") {
                 Frames::LosslessPlaced
             } else if what.ends_with("-place") {
                 Frames::Placed
@@ -307,13 +316,17 @@ fn block_rate(
     listener: Box<dyn Listener>,
     connector: Box<dyn Connector>,
 ) -> Measured {
-    let lossless = matches!(frames, Frames::Lossless | Frames::LosslessPlaced);
+    let lossless = matches!(
+        frames,
+        Frames::Lossless | Frames::LosslessPlaced | Frames::LosslessCopiedHere
+    );
     let m = Small {
         len: payload_capacity(block),
         reliable: lossless,
         coalesce_wait: Duration::ZERO,
         lend: !lossless,
         place: matches!(frames, Frames::Placed | Frames::LosslessPlaced),
+        copy_here: matches!(frames, Frames::CopiedHere | Frames::LosslessCopiedHere),
     };
     let per_message = engine_messages(block, m, secs, listener, connector);
     Measured {
@@ -371,6 +384,10 @@ enum Frames {
     Placed,
     /// A lossless device's frames, written in place by the source.
     LosslessPlaced,
+    /// A live device's frames, copied by the source's thread (`push_writing_here`).
+    CopiedHere,
+    /// A lossless device's frames, copied by the source's thread (`push_writing_here`).
+    LosslessCopiedHere,
 }
 
 /// What the source of [`engine_messages`] pushes.
@@ -388,6 +405,11 @@ struct Small {
     /// message's index into its first bytes (as plain TCP's writer sends one buffer again and
     /// again, the source costs nothing).
     place: bool,
+    /// The source hands each message over as bytes through `push_writing_here`, which copies it
+    /// on the source's thread into a free in-place block (over shm a lent receiver's block) and
+    /// commits it, or pushes it when none is free: the sender binary's images and GStreamer
+    /// sources. Takes in-place blocks as `place` does.
+    copy_here: bool,
 }
 
 /// Pushes messages of `m.len` bytes into one device as fast as the engine takes them (the
@@ -425,7 +447,7 @@ fn engine_messages(
         coalesce_wait: m.coalesce_wait,
         // Writing in place, half the send blocks set aside for it (the sender binary's default
         // 8 + 8); lending alone needs one.
-        in_place_blocks: if m.place {
+        in_place_blocks: if m.place || m.copy_here {
             env_knob("BENCH_SEND_BLOCKS").unwrap_or_else(region_blocks) / 2
         } else {
             usize::from(m.lend)
@@ -480,7 +502,12 @@ fn engine_messages(
                         format: format.clone(),
                         data: data.clone().into(),
                     };
-                    if !input.push(f) {
+                    let pushed = if m.copy_here {
+                        input.push_writing_here(f)
+                    } else {
+                        input.push(f)
+                    };
+                    if !pushed {
                         break;
                     }
                     index += 1;
@@ -559,6 +586,7 @@ fn small_messages(secs: f64) {
                 coalesce_wait,
                 lend: false,
                 place: false,
+                copy_here: false,
             };
             engine_messages(BLOCK, m, secs, l, c).rate
         };
@@ -569,6 +597,7 @@ fn small_messages(secs: f64) {
                 coalesce_wait,
                 lend: false,
                 place: false,
+                copy_here: false,
             };
             engine_messages(BLOCK, m, secs, socket.listen(BLOCK), socket.connector()).rate
         };
