@@ -197,8 +197,8 @@ pub fn sender(
     // Synthetic sources render each frame on their own thread straight into an in-place send
     // block when one is free (else the filling thread renders it into one of its own); the
     // images and GStreamer sources' frames are copied the same way (over shm into a receiver's
-    // block when one is on offer: one copy, no hand-over to the filling thread).
-    let render_here = in_place_blocks > 0;
+    // block when one is on offer: one copy, no hand-over to the filling thread). With no
+    // in-place blocks `push_writing_here` pushes every frame.
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
         let (stop, frames) = (stop.flag().clone(), d.frames);
@@ -206,23 +206,11 @@ pub fn sender(
             std::thread::Builder::new()
                 .name(format!("source-{}", d.id))
                 .spawn(move || {
+                    let push = |f| input.push_writing_here(f);
                     match producer {
-                        Runner::Builtin(p) => p.run(&stop, frames, |f| {
-                            if render_here {
-                                input.push_writing_here(f)
-                            } else {
-                                input.push(f)
-                            }
-                        }),
+                        Runner::Builtin(p) => p.run(&stop, frames, push),
                         #[cfg(feature = "gstreamer")]
                         Runner::Gstreamer(p) => {
-                            let push = |f| {
-                                if render_here {
-                                    input.push_writing_here(f)
-                                } else {
-                                    input.push(f)
-                                }
-                            };
                             if let Err(e) = p.run(&stop, push) {
                                 tracing::error!("{e}; ending the device");
                             }
