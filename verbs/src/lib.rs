@@ -94,7 +94,9 @@ pub fn choose(transport: &str, addr: &str, verbs: &VerbsSettings) -> Result<Kind
     match (transport, unix) {
         ("shm" | "auto", true) => {
             if transport == "auto" {
-                tracing::info!("transport auto: {addr} is a Unix socket; using shared memory");
+                tracing::info!(
+                    "transport auto: {addr} is a Unix socket address; using shared memory (shm)"
+                );
             }
             Ok(Kind::Shm)
         }

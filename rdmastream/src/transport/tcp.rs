@@ -1715,7 +1715,12 @@ fn bind_unix_socket(path: &Path) -> std::io::Result<UnixListener> {
                     Err(c) if c.kind() == std::io::ErrorKind::ConnectionRefused
                 );
             if !stale {
-                return Err(e);
+                let why = if is_socket {
+                    "a receiver is already listening there"
+                } else {
+                    "a file that is not a socket is in the way (remove it or pick another path)"
+                };
+                return Err(std::io::Error::new(e.kind(), format!("{e}: {why}")));
             }
             std::fs::remove_file(path)?;
             UnixListener::bind(path)
@@ -2749,5 +2754,40 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A receiver restarted after a kill -9 finds its old socket file: nobody listens on it, so
+    /// it is replaced. A socket a live receiver holds, or a file that is not a socket, is left
+    /// alone, and the error says which of the two is in the way.
+    #[test]
+    fn a_stale_socket_is_replaced_but_never_a_live_one_or_another_file() {
+        let dir = std::env::temp_dir().join(format!("rdmastream-bind-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("rx.sock");
+        let _ = std::fs::remove_file(&path);
+
+        drop(UnixListener::bind(&path).unwrap());
+        assert!(
+            path.exists(),
+            "a dropped listener leaves its file, as a killed receiver does"
+        );
+        let live = bind_unix_socket(&path).expect("a stale socket is replaced");
+        UnixStream::connect(&path).expect("the new listener answers");
+
+        let err = bind_unix_socket(&path).expect_err("a live receiver's socket is kept");
+        assert!(
+            err.to_string()
+                .contains("a receiver is already listening there"),
+            "{err}"
+        );
+        UnixStream::connect(&path).expect("and it still answers");
+        drop(live);
+
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, b"notes").unwrap();
+        let err = bind_unix_socket(&path).expect_err("a regular file is kept");
+        assert!(err.to_string().contains("not a socket"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"notes");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
