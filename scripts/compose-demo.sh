@@ -87,8 +87,14 @@ step "building the binaries and the plugin (cargo build --release)"
 cargo build --release -q -p rdmastream-sender -p rdmastream-receiver -p gst-plugin-rdma
 deploy/compose/keygen.sh
 step "building the image localhost/rdmastream:latest ($engine)"
-"$engine" build -q -t localhost/rdmastream:latest . >/dev/null
 image=localhost/rdmastream:latest
+previous="$("$engine" image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)"
+"$engine" build -q -t "$image" . >/dev/null
+# The image this build replaced would stay behind untagged (655 MB each run); removed unless a
+# container still uses it.
+if [ -n "$previous" ] && [ "$previous" != "$("$engine" image inspect -f '{{.Id}}' "$image")" ]; then
+  "$engine" rmi "$previous" >/dev/null 2>&1 || true
+fi
 
 # --- run ------------------------------------------------------------------------------------------
 project=rdmastream
