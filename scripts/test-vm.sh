@@ -36,11 +36,13 @@ for exe in "$core" "$processes" "$window" "$pipelines" "$harness" "$netfaults"; 
   [ -x "$exe" ] || { echo "test-vm: could not build the test executables" >&2; exit 1; }
 done
 echo "== over verbs (Soft-RoCE rxe0 in a VM): $core (isolation, window verbs), $processes, $window, $pipelines, $harness"
+echo "   (the pipeline tests' V4L2 camera too: vivid, /dev/video0, capturing into rdmasink's blocks)"
 echo "== and $netfaults: over tcp with the VM's kernel netem (delay, reordering, loss) between two namespaces,"
 echo "   over verbs the receiver killed 20 times and a full disk (Soft-RoCE cannot join two namespaces in this kernel)"
 scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
   env RDMASTREAM_PREBUILT=1 RDMASTREAM_IT_TRANSPORT=verbs RDMASTREAM_IT_HOST=192.0.2.1 \
-  RDMASTREAM_TEST_TRANSPORT=verbs RDMASTREAM_TEST_HOST=192.0.2.1 RUST_BACKTRACE=1 \
+  RDMASTREAM_TEST_TRANSPORT=verbs RDMASTREAM_TEST_HOST=192.0.2.1 RDMASTREAM_REQUIRE_CAMERA=1 \
+  RUST_BACKTRACE=1 \
   bash -c 'run() { # seconds exe args...: one hung test binary must not eat the time of the others
       local t=$1; shift; timeout -k 10 "$t" "$@"; local r=$?
       [ $r -eq 124 ] && echo "test-vm: $1 did not finish within $t s" >&2; return $r; }

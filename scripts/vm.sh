@@ -9,7 +9,8 @@
 #                     [--no-target-rw] [--verbose] -- CMD [ARGS...]
 #
 # `run` boots Debian's own kernel (linux-image-6.1.*-amd64, extracted, never
-# installed) under qemu TCG with a busybox initramfs, loads the RDMA modules,
+# installed) under qemu TCG with a busybox initramfs, loads the RDMA modules
+# (and vivid, a V4L2 test camera at /dev/video0: one webcam input),
 # creates dummy0 = 192.0.2.1/24 and `rdma link add rxe0 type rxe netdev dummy0`,
 # then runs CMD in a chroot of the host's root filesystem (shared read-only
 # over 9p) in the same working directory, so host-built binaries and the
@@ -72,8 +73,10 @@ readonly PACKAGES=(qemu-system-x86 busybox-static kmod cpio rdma-core ibverbs-ut
     ibverbs-providers libibverbs1 perftest iproute2 xz-utils)
 # Loaded in this order, each after its dependencies.
 # veth and sch_netem: the network-fault test (delay, reordering) between two namespaces.
+# vivid: a V4L2 test camera (/dev/video0, one webcam input), so that v4l2src runs against a real
+# kernel driver (the camera pipeline tests).
 readonly MODULES=(crc32_generic virtio_pci virtio_console 9pnet_virtio 9p dummy rdma_rxe ib_uverbs rdma_ucm
-    veth sch_netem)
+    veth sch_netem vivid)
 # Bump when the layout of the cached initramfs changes.
 readonly INITRD_FORMAT=1
 readonly ENV_PASS=(PATH HOME USER LOGNAME LANG LANGUAGE TZ CI RUST_LOG RUST_BACKTRACE
@@ -249,6 +252,7 @@ fetch_kernel() {
         esac
         local params=""
         [[ "$name" == dummy ]] && params="numdummies=0"
+        [[ "$name" == vivid ]] && params="n_devs=1 node_types=0x1 num_inputs=1 input_types=0x0"
         echo "$flat $params" >>"$work/kernel/load.list"
     done <"$work/closure"
     echo "$kver" >"$work/kernel/kver"

@@ -1,6 +1,8 @@
 //! The real plugin file in real `gst-launch-1.0` processes over the tcp transport on loopback
-//! (and one stream over shm): what a user runs. Each test starts the receiving pipeline and the sending one in either order
-//! (the sink reconnects until the receiver listens) and waits for both to exit.
+//! (and some streams over shm): what a user runs. Each test starts the receiving pipeline and the sending one in either order
+//! (the sink reconnects until the receiver listens) and waits for both to exit. scripts/test-vm.sh
+//! runs them again over verbs in its VM, whose kernel also has a V4L2 test camera (`vivid`) for
+//! the camera tests at the end (skipped on a host without one).
 
 mod common;
 
@@ -637,5 +639,127 @@ fn a_sink_whose_device_is_taken_at_the_receiver_fails_saying_by_whom() {
         first.child_running(),
         "the first sender stopped:\n{}",
         first.log_text()
+    );
+}
+
+/// The V4L2 camera of the Soft-RoCE VM (`vivid`, loaded by scripts/vm.sh), or None elsewhere:
+/// the host kernel has no V4L2 test driver, so these tests skip there unless
+/// `RDMASTREAM_REQUIRE_CAMERA=1` (set by scripts/test-vm.sh) makes a missing camera a failure.
+fn vivid_camera() -> Option<&'static str> {
+    const DEVICE: &str = "/dev/video0";
+    let name = std::fs::read_to_string("/sys/class/video4linux/video0/name").unwrap_or_default();
+    if name.starts_with("vivid") && Path::new(DEVICE).exists() {
+        return Some(DEVICE);
+    }
+    assert!(
+        std::env::var_os("RDMASTREAM_REQUIRE_CAMERA").is_none(),
+        "RDMASTREAM_REQUIRE_CAMERA is set but {DEVICE} is not a vivid camera (name {name:?})"
+    );
+    eprintln!("no vivid camera at {DEVICE}: skipped (scripts/test-vm.sh runs this in its VM)");
+    None
+}
+
+/// vivid's pattern held still (no movement, no text), so that every frame is the same and the
+/// received ones can be compared with a capture of the camera's own.
+const VIVID_STILL: &str =
+    "extra-controls=c,horizontal_movement=3,vertical_movement=3,osd_text_mode=2";
+
+/// Streams 20 frames of 640×480 RGB from a V4L2 camera driver (`v4l2src io-mode=<io_mode>`)
+/// through rdmasink → rdmasrc (over shm when `shm`, else the suite's transport), both with
+/// `drop-policy=block`, checks that every frame arrived and equals the camera's frame captured
+/// straight to a file, and returns the sender's log.
+fn camera_frames_arrive_byte_exact(camera: &str, io_mode: &str, shm: bool) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let caps = "video/x-raw,format=RGB,width=640,height=480";
+    let src = format!("v4l2src device={camera} {VIVID_STILL}");
+    run(
+        d,
+        "reference",
+        &format!("{src} num-buffers=3 ! {caps} ! multifilesink location=ref%03d.raw"),
+    );
+    let reference = numbered(d, "ref", ".raw");
+    assert_eq!(reference.len(), 3);
+    assert_eq!(reference[0].len(), 921_600);
+    assert!(
+        reference.iter().all(|f| *f == reference[0]),
+        "the camera's still pattern changed between frames: the test cannot compare"
+    );
+    // The properties after the ones Launch::start puts first win.
+    let (rx_to, tx_to) = if shm {
+        let sock = format!("unix:{}", d.join("rx.sock").display());
+        (
+            format!("transport=shm address={sock}"),
+            format!("transport=shm host={sock}"),
+        )
+    } else {
+        let port = format!("port={}", free_port());
+        (port.clone(), port)
+    };
+    let rx = Launch::start(
+        d,
+        "receiver",
+        &format!(
+            "rdmasrc {rx_to} device-id=2 drop-policy=block ! multifilesink location=out%03d.raw"
+        ),
+    );
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!(
+            "{src} io-mode={io_mode} num-buffers=20 ! {caps} ! \
+             rdmasink {tx_to} device-id=2 drop-policy=block sync=false"
+        ),
+    );
+    let log = tx.success();
+    rx.success();
+    let got = numbered(d, "out", ".raw");
+    assert_eq!(got.len(), 20, "frames received");
+    for (i, frame) in got.iter().enumerate() {
+        assert!(
+            *frame == reference[0],
+            "frame {i} differs from the camera's"
+        );
+    }
+    log
+}
+
+/// A real kernel camera driver writes each frame straight into `rdmasink`'s send blocks: with
+/// `io-mode=userptr` `v4l2src` queues the buffers of the pool `rdmasink` proposes to the driver
+/// (V4L2 USERPTR), so over verbs the NIC reads the frame from the memory the driver captured
+/// it into, registered for it, with no copy in between.
+#[test]
+fn a_v4l2_camera_captures_into_the_send_blocks_with_userptr() {
+    let Some(camera) = vivid_camera() else { return };
+    let log = camera_frames_arrive_byte_exact(camera, "userptr", false);
+    assert!(
+        log.contains("frames sent in place"),
+        "the camera did not capture into the send blocks; log:\n{log}"
+    );
+    assert!(!log.contains("frames sent copied"), "log:\n{log}");
+}
+
+/// Over shm the same camera captures into the receiver's own memory whenever the sending thread
+/// has one of its blocks on offer: the frame's only write is the driver's.
+#[test]
+fn a_v4l2_camera_captures_into_the_receivers_memory_over_shm() {
+    let Some(camera) = vivid_camera() else { return };
+    let log = camera_frames_arrive_byte_exact(camera, "userptr", true);
+    assert!(
+        log.contains("in place: upstream wrote the frame straight into the receiver's memory"),
+        "the camera did not capture into the receiver's blocks; log:\n{log}"
+    );
+    assert!(!log.contains("frames sent copied"), "log:\n{log}");
+}
+
+/// With `v4l2src`'s default I/O mode (the driver's own mmap buffers) the frames are copied,
+/// once, by `rdmasink`: over shm straight into the receiver's memory.
+#[test]
+fn a_v4l2_cameras_own_buffers_are_copied_once_over_shm() {
+    let Some(camera) = vivid_camera() else { return };
+    let log = camera_frames_arrive_byte_exact(camera, "auto", true);
+    assert!(
+        log.contains("copied straight into the receiver's memory"),
+        "rdmasink did not copy into the receiver's blocks; log:\n{log}"
     );
 }
