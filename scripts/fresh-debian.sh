@@ -13,6 +13,8 @@ root="$(pwd -P)"
 cmd="${1:-scripts/demo.sh}"
 engine="$(command -v podman || command -v docker || true)"
 [ -n "$engine" ] || { echo "fresh-debian: podman or docker is needed" >&2; exit 1; }
+# As for the compose demo: runc, and a nofile default under this machine's hard limit.
+export CONTAINERS_CONF="$root/deploy/compose/containers.conf"
 toolchain="$(rustc --print sysroot)"
 [ -x "$toolchain/bin/cargo" ] || { echo "fresh-debian: no cargo next to rustc in $toolchain" >&2; exit 1; }
 if ! "$engine" image exists docker.io/library/debian:bookworm 2>/dev/null; then
@@ -24,7 +26,14 @@ git clone -q "$root" "$work/src"
 echo "== fresh Debian 12 container, clone of $(git rev-parse --short HEAD) in $work/src: $cmd"
 start=$SECONDS
 rc=0
-"$engine" run --rm --network host \
+# This machine's certificate authorities ride along (read-only, beside the container's own):
+# where the way out goes through a proxy with its own CA, cargo needs it to reach crates.io.
+ca=()
+bundle="${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}"
+if [ -f "$bundle" ]; then
+  ca=(-v "$bundle:/opt/host-ca.crt:ro" -e CARGO_HTTP_CAINFO=/opt/host-ca.crt)
+fi
+"$engine" run --rm --network host "${ca[@]}" \
   -v "$toolchain:/opt/rust:ro" -v "$work/src:/src" -w /src \
   -e PATH=/opt/rust/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   -e CARGO_HOME=/root/.cargo docker.io/library/debian:bookworm \
