@@ -1198,6 +1198,62 @@ fn a_copy_without_a_free_in_place_block_waits_a_moment_then_goes_to_the_filling_
     caps_until_eos(&mut rx);
 }
 
+/// The pool says how many buffers it can have out at once (the sender's in-place blocks) and
+/// refuses a configuration that wants more at once: upstream that queues its minimum before
+/// it lets any go (`v4l2src io-mode=userptr`) would otherwise wait for ever on the last one.
+/// The refusal lowers the configuration to what the pool has, and the element's warning names
+/// the property to raise; a configuration within it is taken, and its frames go in place.
+#[test]
+fn a_pool_configuration_wanting_more_buffers_than_in_place_blocks_is_refused_naming_the_property() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 12, &[]);
+    let e = sink_element(port, 12, &[("in-place-blocks", 2i32.to_value())]);
+    let bus = bus_of(&e);
+    let mut tx = sink_harness(&e, GRAY);
+    let caps: gst::Caps = GRAY.parse().unwrap();
+    let mut q = gst::query::Allocation::new(Some(&caps), true);
+    assert!(tx.srcpad().unwrap().peer_query(&mut q));
+    let (pool, _, min, max) = q
+        .allocation_pools()
+        .into_iter()
+        .find(|(p, _, _, _)| p.is_some())
+        .expect("rdmasink proposes its pool");
+    let pool = pool.unwrap();
+    assert_eq!((min, max), (0, 2), "the proposal's min and max buffers");
+
+    let mut config = pool.config();
+    config.set_params(Some(&caps), 8, 3, 0);
+    assert!(
+        pool.set_config(config).is_err(),
+        "a pool of 2 in-place blocks took a configuration of at least 3 buffers"
+    );
+    let (_, _, min, max) = pool.config().params().unwrap();
+    assert_eq!((min, max), (2, 2), "the refused configuration, lowered");
+    let warning = message_where(&bus, "warning about in-place-blocks", |m| {
+        matches!(m.view(), gst::MessageView::Warning(_))
+    });
+    let text = error_text(&warning);
+    assert!(
+        text.contains("wants 3 buffers") && text.contains("in-place-blocks=3"),
+        "{text}"
+    );
+
+    let mut config = pool.config();
+    config.set_params(Some(&caps), 8, 2, 2);
+    pool.set_config(config).expect("2 of 2 in-place blocks");
+    pool.set_active(true).unwrap();
+    for i in 0..4u8 {
+        tx.push(pooled(&pool, i)).unwrap();
+        assert_eq!(bytes(&rx.pull().unwrap()), vec![i; 8]);
+    }
+    let st = stats(&tx.element().unwrap());
+    assert_eq!(st.get::<u64>("frames-in-place").unwrap(), 4);
+    pool.set_active(false).unwrap();
+    assert!(tx.push_event(gst::event::Eos::new()));
+    caps_until_eos(&mut rx);
+}
+
 /// `in-place-blocks=0` turns the pool off: every frame is copied, and arrives.
 #[test]
 fn in_place_blocks_zero_offers_no_pool() {

@@ -763,3 +763,28 @@ fn a_v4l2_cameras_own_buffers_are_copied_once_over_shm() {
         "rdmasink did not copy into the receiver's blocks; log:\n{log}"
     );
 }
+
+/// A camera that wants more buffers of the pool at once than `rdmasink` has in-place blocks
+/// (`vivid` asks for 4) fails at once with an error, and `rdmasink`'s warning names the setting
+/// that fixes it; with 2 blocks it used to wait for ever.
+#[test]
+fn a_camera_wanting_more_buffers_than_in_place_blocks_fails_naming_the_setting() {
+    let Some(camera) = vivid_camera() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let log = Launch::start(
+        dir.path(),
+        "sender",
+        &format!(
+            "v4l2src device={camera} io-mode=userptr num-buffers=20 ! \
+             video/x-raw,format=RGB,width=640,height=480 ! \
+             rdmasink port={port} device-id=2 in-place-blocks=2 drop-policy=block sync=false"
+        ),
+    )
+    .failure();
+    assert!(
+        log.contains("but the sender has 2 in-place blocks: set in-place-blocks=")
+            && log.contains("ERROR: from element"),
+        "no error naming in-place-blocks; log:\n{log}"
+    );
+}

@@ -1085,9 +1085,22 @@ impl BaseSinkImpl for RdmaSink {
                         Some(sink) => Ok(sink.imp().check_link()?),
                         None => Err(gst::FlowError::Flushing),
                     });
-                super::pool::BlockPool::new(s.lease.clone(), check)
+                let element = self.obj().downgrade();
+                let warn: super::pool::Warn = std::sync::Arc::new(move |text: &str| {
+                    if let Some(sink) = element.upgrade() {
+                        gst::element_imp_warning!(
+                            sink.imp(),
+                            gst::ResourceError::Settings,
+                            ("{}", text)
+                        );
+                    }
+                });
+                super::pool::BlockPool::new(s.lease.clone(), check, warn)
             });
-            query.add_allocation_pool(Some(pool), 0, 0, 0);
+            // At most the sender's in-place blocks out at once (lent blocks of the receiver's
+            // memory come on top over shm, but not always): `set_config` refuses more.
+            let max = u32::try_from(s.lease.in_place_blocks()).unwrap_or(u32::MAX);
+            query.add_allocation_pool(Some(pool), 0, 0, max);
             gst::debug!(CAT, imp = self, "proposing the send-block pool");
         }
         Ok(())

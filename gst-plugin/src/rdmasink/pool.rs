@@ -93,10 +93,14 @@ impl Drop for BlockMemory {
 /// whether to go on.
 pub type LinkCheck = Arc<dyn Fn() -> Result<(), gst::FlowError> + Send + Sync>;
 
+/// Posts a warning message of the element (what the pool cannot do, and what to set).
+pub type Warn = Arc<dyn Fn(&str) + Send + Sync>;
+
 #[derive(Default)]
 pub struct BlockPoolImp {
     lease: Mutex<Option<Arc<DeviceLease>>>,
     check: Mutex<Option<LinkCheck>>,
+    warn: Mutex<Option<Warn>>,
     outstanding: Arc<Outstanding>,
     flushing: AtomicBool,
 }
@@ -112,6 +116,39 @@ impl ObjectImpl for BlockPoolImp {}
 impl GstObjectImpl for BlockPoolImp {}
 
 impl BufferPoolImpl for BlockPoolImp {
+    /// Refuses a configuration that wants more buffers out at once (its minimum) than the
+    /// sender has in-place blocks: an acquire past them waits for a block that only a buffer
+    /// upstream still holds can give back. `v4l2src io-mode=userptr` asks for 4 (with `vivid`)
+    /// and queues buffers to the driver before it dequeues any: with 2 blocks it waited for
+    /// ever. Refused, it reads the lowered configuration back, finds it short and fails with an
+    /// error at once, and the element's warning says what to set.
+    fn set_config(&self, config: &mut gst::BufferPoolConfigRef) -> bool {
+        let blocks = self
+            .lease
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |l| l.in_place_blocks());
+        if let Some((caps, size, min, max)) = config.params()
+            && blocks > 0
+            && min as usize > blocks
+        {
+            let blocks = blocks as u32;
+            if let Some(warn) = self.warn.lock().unwrap().clone() {
+                warn(&format!(
+                    "upstream wants {min} buffers of the send-block pool at once, but the \
+                     sender has {blocks} in-place blocks: set in-place-blocks={min} or more \
+                     (the pool refuses upstream's configuration until then)"
+                ));
+            }
+            let max = if max == 0 { blocks } else { max.min(blocks) };
+            config.set_params(caps.as_ref(), size, blocks, max);
+            self.parent_set_config(config);
+            return false;
+        }
+        self.parent_set_config(config)
+    }
+
     fn acquire_buffer(
         &self,
         _params: Option<&gst::BufferPoolAcquireParams>,
@@ -195,11 +232,13 @@ glib::wrapper! {
 
 impl BlockPool {
     /// A pool reserving blocks on `lease`'s device; `check` runs whenever a buffer has waited
-    /// 100 ms for a block, and its error ends the wait.
-    pub fn new(lease: Arc<DeviceLease>, check: LinkCheck) -> BlockPool {
+    /// 100 ms for a block, and its error ends the wait; `warn` says why a configuration was
+    /// refused.
+    pub fn new(lease: Arc<DeviceLease>, check: LinkCheck, warn: Warn) -> BlockPool {
         let pool: BlockPool = glib::Object::new();
         *pool.imp().lease.lock().unwrap() = Some(lease);
         *pool.imp().check.lock().unwrap() = Some(check);
+        *pool.imp().warn.lock().unwrap() = Some(warn);
         pool
     }
 
@@ -213,5 +252,6 @@ impl BlockPool {
     pub fn detach(&self) {
         self.imp().lease.lock().unwrap().take();
         self.imp().check.lock().unwrap().take();
+        self.imp().warn.lock().unwrap().take();
     }
 }
