@@ -1709,17 +1709,17 @@ fn bind_unix_socket(path: &Path) -> std::io::Result<UnixListener> {
             let is_socket = std::fs::symlink_metadata(path)
                 .map(|m| m.file_type().is_socket())
                 .unwrap_or(false);
-            let stale = is_socket
-                && matches!(
-                    UnixStream::connect(path),
-                    Err(c) if c.kind() == std::io::ErrorKind::ConnectionRefused
-                );
-            if !stale {
-                let why = if is_socket {
-                    "a receiver is already listening there"
-                } else {
-                    "a file that is not a socket is in the way (remove it or pick another path)"
-                };
+            let why = if !is_socket {
+                "a file that is not a socket is in the way (remove it or pick another path)".into()
+            } else {
+                match UnixStream::connect(path) {
+                    // Nobody listens: a killed receiver's socket file.
+                    Err(c) if c.kind() == std::io::ErrorKind::ConnectionRefused => String::new(),
+                    Ok(_) => "something is already listening there (another receiver?)".into(),
+                    Err(c) => format!("the socket there cannot be tried: {c}"),
+                }
+            };
+            if !why.is_empty() {
                 return Err(std::io::Error::new(e.kind(), format!("{e}: {why}")));
             }
             std::fs::remove_file(path)?;
