@@ -2777,7 +2777,7 @@ mod tests {
         let err = bind_unix_socket(&path).expect_err("a live receiver's socket is kept");
         assert!(
             err.to_string()
-                .contains("a receiver is already listening there"),
+                .contains("something is already listening there"),
             "{err}"
         );
         UnixStream::connect(&path).expect("and it still answers");
