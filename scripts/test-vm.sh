@@ -39,6 +39,7 @@ echo "== over verbs (Soft-RoCE rxe0 in a VM): $core (isolation, window verbs), $
 echo "   (the pipeline tests' V4L2 camera too: vivid, /dev/video0, capturing into rdmasink's blocks)"
 echo "== and $netfaults: over tcp with the VM's kernel netem (delay, reordering, loss) between two namespaces,"
 echo "   over verbs the receiver killed 20 times and a full disk (Soft-RoCE cannot join two namespaces in this kernel)"
+suite=0
 scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
   env RDMASTREAM_PREBUILT=1 RDMASTREAM_IT_TRANSPORT=verbs RDMASTREAM_IT_HOST=192.0.2.1 \
   RDMASTREAM_TEST_TRANSPORT=verbs RDMASTREAM_TEST_HOST=192.0.2.1 RDMASTREAM_REQUIRE_CAMERA=1 \
@@ -53,4 +54,20 @@ scripts/vm.sh run --timeout "${RDMASTREAM_VM_TIMEOUT:-1500}" -- \
       run 420 "$5" --test-threads=1 delay_reordering_loss; d=$?
     run 300 "$5" --test-threads=1 twenty_receiver_kills full_disk; k=$?
     run 240 "$6" --test-threads=1; w=$?
-    exit $((i | a | b | c | d | k | w))' _ "$core" "$processes" "$pipelines" "$harness" "$netfaults" "$window"
+    exit $((i | a | b | c | d | k | w))' _ "$core" "$processes" "$pipelines" "$harness" "$netfaults" "$window" ||
+  suite=$?
+# vm.sh's boot watchdog (a guest kernel that hangs before init is killed and booted once more):
+# a first boot held with its CPUs stopped must be given up after the boot timeout and the second
+# boot must run the command. Without the watchdog one such hang cost a CI run 25 minutes.
+watchdog_log="$(mktemp)"
+if RDMASTREAM_VM_HANG_FIRST_BOOT=1 RDMASTREAM_VM_BOOT_TIMEOUT=30 \
+  scripts/vm.sh run --timeout 300 -- true 2>"$watchdog_log" &&
+  grep -q "booting once more" "$watchdog_log"; then
+  echo "test-vm: vm.sh's boot watchdog: a stopped first boot was killed after 30 s and the second ran"
+else
+  cat "$watchdog_log" >&2
+  echo "test-vm: vm.sh's boot watchdog did not boot again after a stopped first boot" >&2
+  suite=1
+fi
+rm -f "$watchdog_log"
+exit "$suite"

@@ -639,6 +639,10 @@ run() {
 
 show_console() {
     [[ "$VERBOSE" == 1 ]] && return 0
+    if [[ ! -s "$1" ]]; then
+        log "the guest console stayed empty (the kernel printed nothing)"
+        return 0
+    fi
     log "last lines of the guest console:"
     tail -n 40 "$1" | sed -e $'s/\x1b\\[[0-9;?]*[A-Za-z]//g' -e $'s/\x1bc//g' -e 's/^/  | /' >&2
 }
