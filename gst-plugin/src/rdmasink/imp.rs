@@ -616,7 +616,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecInt::builder("in-place-blocks")
                     .nick("In-place send blocks")
-                    .blurb("Send blocks for the buffer pool upstream writes frames into, added to `blocks` (which carry caps, EOS and the frames copied when no in-place block is free): a frame waiting in place never holds up a copied one; -1: half of `blocks`; 0: no pool, every frame is copied. Over tcp with blocks of 2 to 4 MiB a live stream keeps at most 8 MiB of them in use (a buffer beyond waits up to 20 ms). Set by the first sink of a shared connection")
+                    .blurb("Send blocks for the buffer pool upstream writes frames into, added to `blocks` (which carry caps, EOS and the frames copied when no in-place block is free): a frame waiting in place never holds up a copied one; -1: half of `blocks`; 0: no pool, every frame is copied. Over tcp with blocks of 2 to 4 MiB a live stream keeps at most 8 MiB of them in use (a buffer beyond waits up to 20 ms). Upstream that needs more buffers at once is refused with a warning naming the value to set (v4l2src io-mode=userptr wants 4). Set by the first sink of a shared connection")
                     .minimum(-1)
                     .maximum(4096)
                     .default_value(DEFAULT_IN_PLACE_BLOCKS)
