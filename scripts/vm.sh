@@ -23,8 +23,9 @@
 # a usage error.  The command starts ~4-6 s after launch (TCG, 2 vCPUs);
 # `run -- true` takes ~5-7 s in all.  A guest still booting after
 # $RDMASTREAM_VM_BOOT_TIMEOUT seconds (default 120: now and then the guest
-# kernel hangs before init) is killed and booted once more, within --timeout.  --mtu sets dummy0's MTU (default 1500,
-# so rxe0's active_mtu is 1024; 9000 gives 4096).
+# kernel hangs before init) is killed and booted once more, within --timeout.
+# --mtu sets dummy0's MTU (default 1500, so rxe0's active_mtu is 1024; 9000
+# gives 4096).
 #
 # Writable from the guest, at the same path as on the host:
 #   --out DIR   (default: a fresh temp dir, removed afterwards if left empty,
@@ -567,9 +568,10 @@ run() {
             tail -n +1 -s 0.2 --pid="$QEMU_PID" -f "$console" >&2 &
             RELAY_PIDS+=("$!")
         fi
+        # Watched only until the guest has mounted its control share; then waited for.
         hung=0
-        while kill -0 "$QEMU_PID" 2>/dev/null; do
-            if [[ ! -f "$ctl/stage" ]] && ((SECONDS - attempt_start >= boot_timeout)); then
+        while [[ ! -f "$ctl/stage" ]] && kill -0 "$QEMU_PID" 2>/dev/null; do
+            if ((SECONDS - attempt_start >= boot_timeout)); then
                 hung=1
                 stop_qemu
                 break
