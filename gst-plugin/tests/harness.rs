@@ -1085,16 +1085,22 @@ fn elements_serve_their_stats_as_prometheus_metrics() {
     );
 }
 
-/// The pool `tx`'s rdmasink proposes for GRAY frames, configured and active.
-fn proposed_pool(tx: &Harness) -> gst::BufferPool {
+/// The pool `tx`'s rdmasink proposes for GRAY frames, with the proposal's minimum and maximum
+/// number of buffers.
+fn proposal(tx: &Harness) -> (gst::BufferPool, u32, u32) {
     let caps: gst::Caps = GRAY.parse().unwrap();
     let mut q = gst::query::Allocation::new(Some(&caps), true);
     assert!(tx.srcpad().unwrap().peer_query(&mut q));
-    let pool = q
-        .allocation_pools()
+    q.allocation_pools()
         .into_iter()
-        .find_map(|(p, _, _, _)| p)
-        .expect("rdmasink proposes its pool");
+        .find_map(|(p, _, min, max)| p.map(|p| (p, min, max)))
+        .expect("rdmasink proposes its pool")
+}
+
+/// The pool `tx`'s rdmasink proposes for GRAY frames, configured and active.
+fn proposed_pool(tx: &Harness) -> gst::BufferPool {
+    let caps: gst::Caps = GRAY.parse().unwrap();
+    let (pool, _, _) = proposal(tx);
     let mut config = pool.config();
     config.set_params(Some(&caps), 8, 0, 0);
     pool.set_config(config).unwrap();
@@ -1212,14 +1218,7 @@ fn a_pool_configuration_wanting_more_buffers_than_in_place_blocks_is_refused_nam
     let bus = bus_of(&e);
     let mut tx = sink_harness(&e, GRAY);
     let caps: gst::Caps = GRAY.parse().unwrap();
-    let mut q = gst::query::Allocation::new(Some(&caps), true);
-    assert!(tx.srcpad().unwrap().peer_query(&mut q));
-    let (pool, _, min, max) = q
-        .allocation_pools()
-        .into_iter()
-        .find(|(p, _, _, _)| p.is_some())
-        .expect("rdmasink proposes its pool");
-    let pool = pool.unwrap();
+    let (pool, min, max) = proposal(&tx);
     assert_eq!((min, max), (0, 2), "the proposal's min and max buffers");
 
     let mut config = pool.config();
