@@ -9,16 +9,18 @@
 //!   on the `appsrc`, its end-of-stream becomes EOS (so muxers finish their files). Devices
 //!   without a launch string go to another [`FrameSink`].
 
+pub mod pool;
+
 use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gst::prelude::*;
 
 use rdmastream::bytes::Bytes;
-use rdmastream::engine::SourceFrame;
+use rdmastream::engine::{DeviceInput, DropPolicy, FrameMeta, SourceFrame};
 use rdmastream::engine::{FrameSink, StreamKey};
 use rdmastream::proto::StreamEvent;
 use rdmastream::stats::{DeviceCounters, unix_now_ns};
@@ -70,8 +72,7 @@ pub struct LaunchSource {
 }
 
 impl LaunchSource {
-    /// Parses `launch`, which must contain an `appsink` (normally its last element). An
-    /// `appsink` left at `max-buffers=0` (unbounded) gets 4, so a slow link pushes back.
+    /// Parses `launch`, which must contain an `appsink` (normally its last element).
     pub fn new(device: u8, launch: &str) -> Result<LaunchSource, String> {
         init()?;
         let pipeline = parse(launch)?;
@@ -81,6 +82,7 @@ impl LaunchSource {
             .filter_map(Result::ok)
             .find_map(|e| e.downcast::<gst_app::AppSink>().ok())
             .ok_or_else(|| format!("pipeline {launch:?} does not end in appsink"))?;
+        // It queues only the frames' empty stand-ins (see `run`): still, bounded.
         if appsink.max_buffers() == 0 {
             appsink.set_max_buffers(4);
         }
@@ -92,12 +94,30 @@ impl LaunchSource {
         })
     }
 
-    /// Plays the pipeline and pushes each sample as a frame until the pipeline ends, `stop` is
-    /// set, or `push` returns false. Returns the pipeline's error, if it failed.
+    /// Plays the pipeline and hands each buffer reaching the `appsink` to `input` as a frame
+    /// until the pipeline ends, `stop` is set, or the sender shut down. Returns the pipeline's
+    /// error, if it failed.
+    ///
+    /// The frames are taken on the pipeline's streaming thread, by a probe on the `appsink`'s
+    /// sink pad, before `appsink` queues them: `appsink` keeps the last sample pulled (so a
+    /// frame's block, written in place, would wait there for the next one). It gets an empty
+    /// buffer with the frame's timestamps instead, and still does what a sink does for the
+    /// pipeline (preroll, `sync` to the clock, end-of-stream); its `max-buffers` and `drop`
+    /// no longer matter, the device's `policy` does.
+    ///
+    /// When the sender has in-place blocks, the probe also answers upstream's allocation
+    /// query with a pool of send blocks ([`pool::BlockPool`]; `appsink` itself proposes none
+    /// before GStreamer 1.24), so an upstream that writes into downstream's buffers
+    /// (`videotestsrc`, `videoconvert`, `v4l2src io-mode=userptr`) writes each frame straight
+    /// into a send block, over shm into the receiver's memory, and the frame is committed
+    /// without a copy. For a `drop-oldest` device an acquire never waits: with no block free
+    /// it gets a plain buffer. Any other buffer is copied
+    /// ([`DeviceInput::push_writing_here`]). The log says how many went which way.
     pub fn run(
         self,
-        stop: &AtomicBool,
-        mut push: impl FnMut(SourceFrame) -> bool,
+        stop: &Arc<AtomicBool>,
+        input: &DeviceInput,
+        policy: DropPolicy,
     ) -> Result<(), String> {
         let bus = self.pipeline.bus().expect("a pipeline has a bus");
         let fail = |why: String| {
@@ -107,70 +127,258 @@ impl LaunchSource {
                 self.device, self.launch
             ))
         };
+        let pool = (input.in_place_blocks() > 0).then(|| self.propose_pool(stop, input, policy));
+        let taker = Arc::new(FrameTaker {
+            input: input.clone(),
+            outstanding: pool.as_ref().map(|p| p.outstanding()),
+            format: Mutex::new(None),
+            taken: AtomicU64::new(0),
+            in_place: AtomicU64::new(0),
+            ended: AtomicBool::new(false),
+        });
+        self.take_frames(taker.clone());
         if let Err(e) = self.pipeline.set_state(gst::State::Playing) {
             let why = bus_error(&bus).unwrap_or_else(|| e.to_string());
             return fail(why);
         }
-        let mut index = 0u64;
-        let mut formats: Option<(gst::Caps, Arc<str>)> = None;
-        while !stop.load(Ordering::Acquire) {
+        while !stop.load(Ordering::Acquire) && !taker.ended.load(Ordering::Acquire) {
             if let Some(why) = bus_error(&bus) {
                 return fail(why);
             }
-            let Some(sample) = self
+            // Only the stand-ins of frames taken already come out of the appsink.
+            if self
                 .appsink
                 .try_pull_sample(gst::ClockTime::from_mseconds(100))
-            else {
-                if self.appsink.is_eos() {
-                    break;
-                }
-                continue;
-            };
-            let (Some(buffer), Some(caps)) = (sample.buffer_owned(), sample.caps_owned()) else {
-                continue;
-            };
-            let format = match &formats {
-                Some((c, text)) if *c == caps => text.clone(),
-                _ => {
-                    let text: Arc<str> = Arc::from(caps.to_string().as_str());
-                    formats = Some((caps, text.clone()));
-                    text
-                }
-            };
-            let running = buffer.pts().and_then(|pts| {
-                sample
-                    .segment()
-                    .and_then(|s| s.downcast_ref::<gst::ClockTime>())
-                    .and_then(|s| s.to_running_time(pts))
-            });
-            let now = unix_now_ns();
-            let timestamp_ns = match (running, self.pipeline.clock(), self.pipeline.base_time()) {
-                (Some(r), Some(clock), Some(base)) => {
-                    now.saturating_sub(clock.time().saturating_sub(r + base).nseconds())
-                }
-                _ => now,
-            };
-            let duration_ns = buffer
-                .duration()
-                .map_or(0, |d| d.nseconds().min(u32::MAX as u64) as u32);
-            let Ok(data) = buffer.into_mapped_buffer_readable() else {
-                continue;
-            };
-            let frame = SourceFrame {
-                index,
-                timestamp_ns,
-                duration_ns,
-                pts_ns: running.map(|r| r.nseconds()),
-                format,
-                data: Bytes::from_owner(data).into(),
-            };
-            index += 1;
-            if !push(frame) {
+                .is_none()
+                && self.appsink.is_eos()
+            {
                 break;
             }
         }
         let _ = self.pipeline.set_state(gst::State::Null);
+        if let Some(pool) = pool {
+            pool.detach();
+        }
+        let (taken, in_place) = (
+            taker.taken.load(Ordering::Relaxed),
+            taker.in_place.load(Ordering::Relaxed),
+        );
+        tracing::info!(
+            "device {}: {taken} frames from the pipeline: {in_place} written by it straight into send blocks, {} copied",
+            self.device,
+            taken - in_place
+        );
         Ok(())
+    }
+
+    /// Takes every buffer (and every buffer of a list) reaching the `appsink` as a frame,
+    /// passing an empty stand-in on.
+    fn take_frames(&self, taker: Arc<FrameTaker>) {
+        let element = self.appsink.clone().upcast::<gst::Element>().downgrade();
+        let pad = self
+            .appsink
+            .static_pad("sink")
+            .expect("appsink has a sink pad");
+        pad.add_probe(
+            gst::PadProbeType::BUFFER | gst::PadProbeType::BUFFER_LIST,
+            move |pad, info| {
+                let Some(element) = element.upgrade() else {
+                    return gst::PadProbeReturn::Ok;
+                };
+                match info.data.take() {
+                    Some(gst::PadProbeData::Buffer(buffer)) => {
+                        let stand_in = stand_in(&buffer);
+                        taker.take(pad, &element, buffer);
+                        info.data = Some(gst::PadProbeData::Buffer(stand_in));
+                    }
+                    Some(gst::PadProbeData::BufferList(list)) => {
+                        let mut stand_ins = gst::BufferList::new_sized(list.len());
+                        let writable = stand_ins.get_mut().expect("a new list");
+                        for buffer in list.iter_owned() {
+                            writable.add(stand_in(&buffer));
+                            taker.take(pad, &element, buffer);
+                        }
+                        info.data = Some(gst::PadProbeData::BufferList(stand_ins));
+                    }
+                    other => info.data = other,
+                }
+                gst::PadProbeReturn::Ok
+            },
+        );
+    }
+
+    /// Makes the `appsink` answer upstream's allocation query with a pool of `input`'s send
+    /// blocks (at most its in-place blocks out at once).
+    fn propose_pool(
+        &self,
+        stop: &Arc<AtomicBool>,
+        input: &DeviceInput,
+        policy: DropPolicy,
+    ) -> pool::BlockPool {
+        let device = self.device;
+        let stopped = stop.clone();
+        let check: pool::LinkCheck = Arc::new(move || {
+            if stopped.load(Ordering::Acquire) {
+                Err(gst::FlowError::Flushing)
+            } else {
+                Ok(())
+            }
+        });
+        let warn: pool::Warn = Arc::new(move |min, blocks| {
+            tracing::warn!(
+                "device {device}: the pipeline wants {min} buffers of the send-block pool at once, but the sender has {blocks} in-place blocks: set in_place_blocks = {min} or more"
+            );
+        });
+        let wait = match policy {
+            DropPolicy::Block => pool::Wait::ForABlock,
+            DropPolicy::DropOldest => pool::Wait::Never,
+        };
+        let lease: Arc<dyn pool::BlockLease> = Arc::new(input.clone());
+        let pool = pool::BlockPool::new(lease, wait, check, warn);
+        let max = u32::try_from(input.in_place_blocks()).unwrap_or(u32::MAX);
+        let proposed = pool.clone();
+        let pad = self
+            .appsink
+            .static_pad("sink")
+            .expect("appsink has a sink pad");
+        pad.add_probe(gst::PadProbeType::QUERY_DOWNSTREAM, move |_, info| {
+            let Some(gst::PadProbeData::Query(query)) = info.data.as_mut() else {
+                return gst::PadProbeReturn::Ok;
+            };
+            let gst::QueryViewMut::Allocation(allocation) = query.view_mut() else {
+                return gst::PadProbeReturn::Ok;
+            };
+            if !allocation.get().1 {
+                return gst::PadProbeReturn::Ok;
+            }
+            allocation.add_allocation_pool(Some(&proposed), 0, 0, max);
+            tracing::debug!("device {device}: proposing the send-block pool upstream");
+            gst::PadProbeReturn::Handled
+        });
+        pool
+    }
+}
+
+/// An empty buffer with `buffer`'s timestamps and flags, for the `appsink` to sync on.
+fn stand_in(buffer: &gst::BufferRef) -> gst::Buffer {
+    let mut stand_in = gst::Buffer::new();
+    {
+        let b = stand_in.get_mut().expect("a new buffer");
+        b.set_pts(buffer.pts());
+        b.set_dts(buffer.dts());
+        b.set_duration(buffer.duration());
+        b.set_offset(buffer.offset());
+        b.set_offset_end(buffer.offset_end());
+        b.set_flags(buffer.flags());
+    }
+    stand_in
+}
+
+/// Hands the buffers reaching a source's `appsink` to the device, on the streaming thread.
+struct FrameTaker {
+    input: DeviceInput,
+    /// The send-block pool's memories not yet let go (when it was proposed).
+    outstanding: Option<Arc<pool::Outstanding>>,
+    /// The caps last seen, and their text (every frame's format).
+    format: Mutex<Option<(gst::Caps, Arc<str>)>>,
+    /// Frames taken, and of them committed in place.
+    taken: AtomicU64,
+    in_place: AtomicU64,
+    /// The sender shut down: nothing more is taken.
+    ended: AtomicBool,
+}
+
+impl FrameTaker {
+    /// Takes one buffer as the next frame: in place when it is a block of the pool that nothing
+    /// else holds, else copied.
+    fn take(&self, pad: &gst::Pad, element: &gst::Element, buffer: gst::Buffer) {
+        if self.ended.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(caps) = pad.current_caps() else {
+            return;
+        };
+        let format = {
+            let mut last = self.format.lock().unwrap();
+            match &*last {
+                Some((c, text)) if *c == caps => text.clone(),
+                _ => {
+                    let text: Arc<str> = Arc::from(caps.to_string().as_str());
+                    *last = Some((caps, text.clone()));
+                    text
+                }
+            }
+        };
+        let running = buffer.pts().and_then(|pts| {
+            pad.sticky_event::<gst::event::Segment>(0)
+                .and_then(|e| e.segment().downcast_ref::<gst::ClockTime>().cloned())
+                .and_then(|s| s.to_running_time(pts))
+        });
+        let now = unix_now_ns();
+        let timestamp_ns = match (running, element.clock(), element.base_time()) {
+            (Some(r), Some(clock), Some(base)) => {
+                now.saturating_sub(clock.time().saturating_sub(r + base).nseconds())
+            }
+            _ => now,
+        };
+        let meta = FrameMeta {
+            index: self.taken.fetch_add(1, Ordering::Relaxed),
+            timestamp_ns,
+            duration_ns: buffer
+                .duration()
+                .map_or(0, |d| d.nseconds().min(u32::MAX as u64) as u32),
+            pts_ns: running.map(|r| r.nseconds()),
+            format,
+        };
+        let (buffer, meta) = match &self.outstanding {
+            Some(o) => match mark_in_place(o, buffer, meta) {
+                // Its block was committed as the buffer went.
+                Ok(()) => {
+                    self.in_place.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+                Err(back) => back,
+            },
+            None => (buffer, meta),
+        };
+        let Ok(data) = buffer.into_mapped_buffer_readable() else {
+            return;
+        };
+        let sent = self.input.push_writing_here(SourceFrame {
+            index: meta.index,
+            timestamp_ns: meta.timestamp_ns,
+            duration_ns: meta.duration_ns,
+            pts_ns: meta.pts_ns,
+            format: meta.format,
+            data: Bytes::from_owner(data).into(),
+        });
+        if !sent {
+            self.ended.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Marks `buffer` to be committed in place with `meta` when it is one of the pool's send
+/// blocks that nothing else holds (a `tee`'s other branch would make its commit wait, and a
+/// later frame overtake it); otherwise gives both back, to be copied.
+fn mark_in_place(
+    outstanding: &pool::Outstanding,
+    buffer: gst::Buffer,
+    meta: FrameMeta,
+) -> Result<(), (gst::Buffer, FrameMeta)> {
+    if buffer.n_memory() != 1 || !buffer.is_writable() || !buffer.is_all_memory_writable() {
+        return Err((buffer, meta));
+    }
+    let marked = {
+        let Ok(map) = buffer.map_readable() else {
+            return Err((buffer, meta));
+        };
+        // `mark` takes the metadata only when the memory is ours: keep a copy to give back.
+        outstanding.mark(map.as_ptr() as usize, map.len(), meta.clone())
+    };
+    match marked {
+        Some(_) => Ok(()),
+        None => Err((buffer, meta)),
     }
 }
 

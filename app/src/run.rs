@@ -201,7 +201,7 @@ pub fn sender(
     // in-place blocks `push_writing_here` pushes every frame.
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
-        let (stop, frames) = (stop.flag().clone(), d.frames);
+        let (stop, frames, policy) = (stop.flag().clone(), d.frames, d.policy);
         sources.push(
             std::thread::Builder::new()
                 .name(format!("source-{}", d.id))
@@ -211,7 +211,7 @@ pub fn sender(
                         Runner::Builtin(p) => p.run(&stop, frames, push),
                         #[cfg(feature = "gstreamer")]
                         Runner::Gstreamer(p) => {
-                            if let Err(e) = p.run(&stop, push) {
+                            if let Err(e) = p.run(&stop, &input, policy) {
                                 tracing::error!("{e}; ending the device");
                             }
                         }

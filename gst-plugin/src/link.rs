@@ -11,11 +11,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
-use rdmastream::engine::SourceFrame;
 use rdmastream::engine::{DeviceInput, SenderHandle, SenderOptions};
+use rdmastream::engine::{FrameMeta, NotReserved, Reservation, SourceFrame};
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::SendBlocks;
 use rdmastream::transport::observe::{ConnectionObserver, observed};
+use rdmastream_app::gst::pool::BlockLease;
 
 use crate::transport::{self, Transport, VerbsSettings};
 
@@ -333,43 +334,10 @@ impl DeviceLease {
         input.push(frame)
     }
 
-    /// Send blocks the connection's sender sets aside for frames written in place (0 once
-    /// the lease is ended).
-    pub fn in_place_blocks(&self) -> usize {
-        self.input
-            .lock()
-            .unwrap()
-            .as_ref()
-            .map_or(0, |i| i.in_place_blocks())
-    }
-
-    /// Takes a send block for a frame of `len` bytes written in place (see
-    /// [`DeviceInput::reserve`]).
-    pub fn reserve(
-        &self,
-        len: usize,
-        timeout: Duration,
-    ) -> Result<rdmastream::engine::Reservation, rdmastream::engine::NotReserved> {
-        let input = self.input.lock().unwrap().clone();
-        match input {
-            Some(input) => input.reserve(len, timeout),
-            None => Err(rdmastream::engine::NotReserved::Stopped),
-        }
-    }
-
     /// Counts a frame written in place as handed over (when `render` marks it; it is committed
     /// once its buffer is let go).
     pub fn count_pushed(&self) {
         self.pushed.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Commits a reservation written in place (see [`Self::count_pushed`]).
-    pub fn commit(
-        &self,
-        reservation: rdmastream::engine::Reservation,
-        meta: rdmastream::engine::FrameMeta,
-    ) -> bool {
-        reservation.commit(meta)
     }
 
     /// Ends the device's stream: end-of-stream follows the queued frames.
@@ -412,6 +380,34 @@ impl DeviceLease {
                 Err(e) => tracing::warn!("sender '{}': {e}", shared.key.name),
             }
         }
+    }
+}
+
+/// `rdmasink`'s pool reserves its buffers' blocks on the element's device.
+impl BlockLease for DeviceLease {
+    /// Send blocks the connection's sender sets aside for frames written in place (0 once
+    /// the lease is ended).
+    fn in_place_blocks(&self) -> usize {
+        self.input
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |i| i.in_place_blocks())
+    }
+
+    /// Takes a send block for a frame of `len` bytes written in place (see
+    /// [`DeviceInput::reserve`]).
+    fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved> {
+        let input = self.input.lock().unwrap().clone();
+        match input {
+            Some(input) => input.reserve(len, timeout),
+            None => Err(NotReserved::Stopped),
+        }
+    }
+
+    /// Commits a reservation written in place (see [`Self::count_pushed`]).
+    fn commit(&self, reservation: Reservation, meta: FrameMeta) -> bool {
+        reservation.commit(meta)
     }
 }
 

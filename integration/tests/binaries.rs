@@ -100,6 +100,19 @@ policy = "block"
     // The jpeg stream's caps reached the appsrc: jpegdec decoded every frame.
     let yuv = std::fs::read(only_file(d, "dev4-", ".yuv")).unwrap();
     assert_eq!(yuv.len(), 20 * 320 * 240 * 3 / 2);
+    // videotestsrc rendered device 3's frames straight into send blocks of the pool the
+    // appsink proposed (and they still matched, above); jpegenc allocates its own buffers,
+    // which were copied.
+    let log = std::fs::read_to_string(d.join("sender.log")).unwrap();
+    for line in [
+        "device 3: 30 frames from the pipeline: 30 written by it straight into send blocks, 0 copied",
+        "device 4: 20 frames from the pipeline: 0 written by it straight into send blocks, 20 copied",
+    ] {
+        assert!(
+            log.contains(line),
+            "no {line:?} in the sender's log:\n{log}"
+        );
+    }
 }
 
 /// The one file in `dir` named `<prefix><session stamp><suffix>`.

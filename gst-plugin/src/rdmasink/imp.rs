@@ -15,6 +15,7 @@ use rdmastream::bytes::Bytes;
 use rdmastream::engine::SenderOptions;
 use rdmastream::engine::{FrameMeta, SourceFrame};
 use rdmastream::stats::unix_now_ns;
+use rdmastream_app::gst::pool::{BlockLease, BlockPool, LinkCheck, Wait, Warn};
 
 use crate::link::{self, DeviceLease, LeaseRequest, QUEUE_DEPTH, SenderKey};
 use crate::transport::{DropPolicyProperty, Transport, VerbsSettings, join_host_port};
@@ -126,7 +127,7 @@ struct Started {
     failed: bool,
     /// The pool proposed upstream (made at the first allocation query), whose buffers are
     /// send blocks.
-    pool: Option<super::pool::BlockPool>,
+    pool: Option<BlockPool>,
 }
 
 /// A frame's capture time (ns since the UNIX epoch), duration (ns) and PTS as running time.
@@ -1080,22 +1081,29 @@ impl BaseSinkImpl for RdmaSink {
         {
             let pool = s.pool.get_or_insert_with(|| {
                 let element = self.obj().downgrade();
-                let check: super::pool::LinkCheck =
-                    std::sync::Arc::new(move || match element.upgrade() {
-                        Some(sink) => Ok(sink.imp().check_link()?),
-                        None => Err(gst::FlowError::Flushing),
-                    });
+                let check: LinkCheck = std::sync::Arc::new(move || match element.upgrade() {
+                    Some(sink) => Ok(sink.imp().check_link()?),
+                    None => Err(gst::FlowError::Flushing),
+                });
                 let element = self.obj().downgrade();
-                let warn: super::pool::Warn = std::sync::Arc::new(move |text: &str| {
+                let warn: Warn = std::sync::Arc::new(move |min, blocks| {
                     if let Some(sink) = element.upgrade() {
                         gst::element_imp_warning!(
                             sink.imp(),
                             gst::ResourceError::Settings,
-                            ("{}", text)
+                            (
+                                "upstream wants {} buffers of the send-block pool at once, but \
+                                 the sender has {} in-place blocks: set in-place-blocks={} or \
+                                 more (the pool refuses upstream's configuration until then)",
+                                min,
+                                blocks,
+                                min
+                            )
                         );
                     }
                 });
-                super::pool::BlockPool::new(s.lease.clone(), check, warn)
+                let lease: std::sync::Arc<dyn BlockLease> = s.lease.clone();
+                BlockPool::new(lease, Wait::ForABlock, check, warn)
             });
             // At most the sender's in-place blocks out at once (lent blocks of the receiver's
             // memory come on top over shm, but not always): `set_config` refuses more.

@@ -74,7 +74,6 @@ use gst::glib;
 use gst::prelude::*;
 
 mod imp;
-mod pool;
 
 glib::wrapper! {
     pub struct RdmaSink(ObjectSubclass<imp::RdmaSink>) @extends gst_base::BaseSink, gst::Element, gst::Object,

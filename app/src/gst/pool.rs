@@ -1,11 +1,12 @@
-//! The buffer pool `rdmasink` proposes upstream: every buffer's memory is the payload area of
-//! one send block, reserved from the core sender ([`rdmastream::engine::Reservation`]), so
-//! upstream writes the frame straight into memory the transport sends from. `render` marks a
-//! buffer of this pool with its frame's metadata; the block is committed (header and seal
-//! written around the payload in place, on the thread that lets the memory go when the filling
-//! thread has nothing to do for the frame, else by the filling thread) once the buffer's memory
-//! is let go, and given back unsent if it never was rendered (a flush). Buffers are never
-//! recycled: each holds its block only until it is sent.
+//! The buffer pool a sender proposes upstream (`rdmasink`, and the `sender` binary's
+//! `appsink` through [`super::LaunchSource`]): every buffer's memory is the payload area of one
+//! send block, reserved from the core sender ([`rdmastream::engine::Reservation`]), so upstream
+//! writes the frame straight into memory the transport sends from. The sink marks a buffer of
+//! this pool with its frame's metadata ([`Outstanding::mark`]); the block is committed (header
+//! and seal written around the payload in place, on the thread that lets the memory go when the
+//! filling thread has nothing to do for the frame, else by the filling thread) once the
+//! buffer's memory is let go, and given back unsent if it never was marked (a flush). Buffers
+//! are never recycled: each holds its block only until it is sent.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,9 +17,32 @@ use gst::glib;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 
-use rdmastream::engine::{FrameMeta, NotReserved, Reservation};
+use rdmastream::engine::{DeviceInput, FrameMeta, NotReserved, Reservation};
 
-use crate::link::DeviceLease;
+/// Where a pool's blocks come from: one device of a sender.
+pub trait BlockLease: Send + Sync + 'static {
+    /// How many in-place blocks the sender has (0: none, every acquire gets a plain buffer).
+    fn in_place_blocks(&self) -> usize;
+    /// Takes a free in-place block for `len` bytes, waiting up to `timeout`
+    /// ([`DeviceInput::reserve`]).
+    fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved>;
+    /// Hands a block written in place on ([`Reservation::commit`]).
+    fn commit(&self, reservation: Reservation, meta: FrameMeta) -> bool;
+}
+
+impl BlockLease for DeviceInput {
+    fn in_place_blocks(&self) -> usize {
+        DeviceInput::in_place_blocks(self)
+    }
+
+    fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved> {
+        DeviceInput::reserve(self, len, timeout)
+    }
+
+    fn commit(&self, reservation: Reservation, meta: FrameMeta) -> bool {
+        reservation.commit(meta)
+    }
+}
 
 /// What `render` decided about a pooled buffer's frame.
 #[derive(Default)]
@@ -65,7 +89,7 @@ struct BlockMemory {
     slot: Arc<Mutex<SlotState>>,
     outstanding: Arc<Outstanding>,
     addr: usize,
-    lease: Arc<DeviceLease>,
+    lease: Arc<dyn BlockLease>,
 }
 
 impl AsMut<[u8]> for BlockMemory {
@@ -93,21 +117,46 @@ impl Drop for BlockMemory {
 /// whether to go on.
 pub type LinkCheck = Arc<dyn Fn() -> Result<(), gst::FlowError> + Send + Sync>;
 
-/// Posts a warning message of the element (what the pool cannot do, and what to set).
-pub type Warn = Arc<dyn Fn(&str) + Send + Sync>;
+/// Says that upstream wanted more buffers at once (the first number) than the sender has
+/// in-place blocks (the second), and what to set: an element's warning, a log line.
+pub type Warn = Arc<dyn Fn(u32, u32) + Send + Sync>;
 
-#[derive(Default)]
+/// Whether an acquire waits for a free block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Waits (upstream waits with it: a lossless or blocking device), checking the link every
+    /// 100 ms.
+    ForABlock,
+    /// Takes a block only if one is free now, else hands out a plain buffer, which the sink
+    /// copies (a lossy live device: upstream never waits on the link).
+    Never,
+}
+
 pub struct BlockPoolImp {
-    lease: Mutex<Option<Arc<DeviceLease>>>,
+    lease: Mutex<Option<Arc<dyn BlockLease>>>,
     check: Mutex<Option<LinkCheck>>,
     warn: Mutex<Option<Warn>>,
+    wait: Mutex<Wait>,
     outstanding: Arc<Outstanding>,
     flushing: AtomicBool,
 }
 
+impl Default for BlockPoolImp {
+    fn default() -> BlockPoolImp {
+        BlockPoolImp {
+            lease: Mutex::default(),
+            check: Mutex::default(),
+            warn: Mutex::default(),
+            wait: Mutex::new(Wait::ForABlock),
+            outstanding: Arc::default(),
+            flushing: AtomicBool::new(false),
+        }
+    }
+}
+
 #[glib::object_subclass]
 impl ObjectSubclass for BlockPoolImp {
-    const NAME: &'static str = "GstRdmaSinkBlockPool";
+    const NAME: &'static str = "RdmastreamSendBlockPool";
     type Type = BlockPool;
     type ParentType = gst::BufferPool;
 }
@@ -135,11 +184,7 @@ impl BufferPoolImpl for BlockPoolImp {
         {
             let blocks = blocks as u32;
             if let Some(warn) = self.warn.lock().unwrap().clone() {
-                warn(&format!(
-                    "upstream wants {min} buffers of the send-block pool at once, but the \
-                     sender has {blocks} in-place blocks: set in-place-blocks={min} or more \
-                     (the pool refuses upstream's configuration until then)"
-                ));
+                warn(min, blocks);
             }
             let max = if max == 0 { blocks } else { max.min(blocks) };
             config.set_params(caps.as_ref(), size, blocks, max);
@@ -158,6 +203,10 @@ impl BufferPoolImpl for BlockPoolImp {
             .config()
             .params()
             .map_or(0, |(_, size, _, _)| size as usize);
+        let timeout = match *self.wait.lock().unwrap() {
+            Wait::ForABlock => Duration::from_millis(100),
+            Wait::Never => Duration::ZERO,
+        };
         loop {
             if self.flushing.load(Ordering::Acquire) {
                 return Err(gst::FlowError::Flushing);
@@ -165,7 +214,7 @@ impl BufferPoolImpl for BlockPoolImp {
             let Some(lease) = self.lease.lock().unwrap().clone() else {
                 return Err(gst::FlowError::Flushing);
             };
-            match lease.reserve(size, Duration::from_millis(100)) {
+            match lease.reserve(size, timeout) {
                 Ok(mut r) => {
                     let addr = r.payload_mut().as_ptr() as usize;
                     let slot = Arc::new(Mutex::new(SlotState::Open));
@@ -188,6 +237,9 @@ impl BufferPoolImpl for BlockPoolImp {
                 // No block came free: the receiver may be gone for good (every block then
                 // waits for it), which only the element's check notices; without it upstream
                 // would wait here for ever and `reconnect-timeout` never fire.
+                Err(NotReserved::TimedOut) if timeout.is_zero() => {
+                    return gst::Buffer::with_size(size).map_err(|_| gst::FlowError::Error);
+                }
                 Err(NotReserved::TimedOut) => {
                     let check = self.check.lock().unwrap().clone();
                     if let Some(check) = check {
@@ -234,9 +286,10 @@ impl BlockPool {
     /// A pool reserving blocks on `lease`'s device; `check` runs whenever a buffer has waited
     /// 100 ms for a block, and its error ends the wait; `warn` says why a configuration was
     /// refused.
-    pub fn new(lease: Arc<DeviceLease>, check: LinkCheck, warn: Warn) -> BlockPool {
+    pub fn new(lease: Arc<dyn BlockLease>, wait: Wait, check: LinkCheck, warn: Warn) -> BlockPool {
         let pool: BlockPool = glib::Object::new();
         *pool.imp().lease.lock().unwrap() = Some(lease);
+        *pool.imp().wait.lock().unwrap() = wait;
         *pool.imp().check.lock().unwrap() = Some(check);
         *pool.imp().warn.lock().unwrap() = Some(warn);
         pool
