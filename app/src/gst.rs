@@ -134,6 +134,7 @@ impl LaunchSource {
             format: Mutex::new(None),
             taken: AtomicU64::new(0),
             in_place: AtomicU64::new(0),
+            in_receiver: AtomicU64::new(0),
             ended: AtomicBool::new(false),
         });
         self.take_frames(taker.clone());
@@ -159,12 +160,13 @@ impl LaunchSource {
         if let Some(pool) = pool {
             pool.detach();
         }
-        let (taken, in_place) = (
+        let (taken, in_place, in_receiver) = (
             taker.taken.load(Ordering::Relaxed),
             taker.in_place.load(Ordering::Relaxed),
+            taker.in_receiver.load(Ordering::Relaxed),
         );
         tracing::info!(
-            "device {}: {taken} frames from the pipeline: {in_place} written by it straight into send blocks, {} copied",
+            "device {}: {taken} frames from the pipeline: {in_place} written by it straight into send blocks ({in_receiver} of them the receiver's memory), {} copied",
             self.device,
             taken - in_place
         );
@@ -281,9 +283,10 @@ struct FrameTaker {
     outstanding: Option<Arc<pool::Outstanding>>,
     /// The caps last seen, and their text (every frame's format).
     format: Mutex<Option<(gst::Caps, Arc<str>)>>,
-    /// Frames taken, and of them committed in place.
+    /// Frames taken; of them committed in place; of those, in blocks of the receiver's memory.
     taken: AtomicU64,
     in_place: AtomicU64,
+    in_receiver: AtomicU64,
     /// The sender shut down: nothing more is taken.
     ended: AtomicBool,
 }
@@ -333,8 +336,11 @@ impl FrameTaker {
         let (buffer, meta) = match &self.outstanding {
             Some(o) => match mark_in_place(o, buffer, meta) {
                 // Its block was committed as the buffer went.
-                Ok(()) => {
+                Ok(remote) => {
                     self.in_place.fetch_add(1, Ordering::Relaxed);
+                    if remote {
+                        self.in_receiver.fetch_add(1, Ordering::Relaxed);
+                    }
                     return;
                 }
                 Err(back) => back,
@@ -360,12 +366,13 @@ impl FrameTaker {
 
 /// Marks `buffer` to be committed in place with `meta` when it is one of the pool's send
 /// blocks that nothing else holds (a `tee`'s other branch would make its commit wait, and a
-/// later frame overtake it); otherwise gives both back, to be copied.
+/// later frame overtake it), saying whether the block is the receiver's memory itself;
+/// otherwise gives both back, to be copied.
 fn mark_in_place(
     outstanding: &pool::Outstanding,
     buffer: gst::Buffer,
     meta: FrameMeta,
-) -> Result<(), (gst::Buffer, FrameMeta)> {
+) -> Result<bool, (gst::Buffer, FrameMeta)> {
     if buffer.n_memory() != 1 || !buffer.is_writable() || !buffer.is_all_memory_writable() {
         return Err((buffer, meta));
     }
@@ -377,7 +384,7 @@ fn mark_in_place(
         outstanding.mark(map.as_ptr() as usize, map.len(), meta.clone())
     };
     match marked {
-        Some(_) => Ok(()),
+        Some(remote) => Ok(remote),
         None => Err((buffer, meta)),
     }
 }
