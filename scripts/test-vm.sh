@@ -36,7 +36,7 @@ for exe in "$core" "$processes" "$window" "$pipelines" "$harness" "$netfaults"; 
   [ -x "$exe" ] || { echo "test-vm: could not build the test executables" >&2; exit 1; }
 done
 echo "== over verbs (Soft-RoCE rxe0 in a VM): $core (isolation, window verbs), $processes, $window, $pipelines, $harness"
-echo "   (the pipeline tests' V4L2 camera too: vivid, /dev/video0, capturing into rdmasink's blocks)"
+echo "   (the V4L2 camera too: vivid, /dev/video0, capturing into rdmasink's and the sender binary's blocks)"
 echo "== and $netfaults: over tcp with the VM's kernel netem (delay, reordering, loss) between two namespaces,"
 echo "   over verbs the receiver killed 20 times and a full disk (Soft-RoCE cannot join two namespaces in this kernel)"
 suite=0
