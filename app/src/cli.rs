@@ -155,6 +155,9 @@ pub fn init_logging() {
 #[derive(Clone, Default)]
 pub struct Stop {
     flag: Arc<AtomicBool>,
+    /// Something the main thread waits for happened (a sender's source ended): [`every`] ticks
+    /// at once instead of at the end of its interval.
+    rung: Arc<AtomicBool>,
     bell: Arc<(parking_lot::Mutex<()>, parking_lot::Condvar)>,
 }
 
@@ -181,23 +184,35 @@ impl Stop {
         &self.flag
     }
 
-    /// Sleeps for `d`, or until the stop is asked for if that comes first.
+    /// Wakes [`Stop::sleep`] without asking for the stop, so that [`every`] ticks now (a
+    /// finite source ended: the sender need not wait out its status interval to see it).
+    pub fn ring(&self) {
+        self.rung.store(true, Ordering::Release);
+        let _held = self.bell.0.lock();
+        self.bell.1.notify_all();
+    }
+
+    /// Sleeps for `d`, or until the stop is asked for or [`Stop::ring`] rings, if that comes
+    /// first.
     pub fn sleep(&self, d: Duration) {
         let mut held = self.bell.0.lock();
-        self.bell
-            .1
-            .wait_while_for(&mut held, |_| !self.is_asked(), d);
+        self.bell.1.wait_while_for(
+            &mut held,
+            |_| !self.is_asked() && !self.rung.load(Ordering::Acquire),
+            d,
+        );
     }
 }
 
 /// Calls `tick` every `interval` until `stop` is asked for or `tick` returns false, sleeping in
-/// between (a stop ends the sleep at once). Returns when it stopped.
+/// between (a stop ends the sleep at once; a [`Stop::ring`] makes the next tick come now).
+/// Returns when it stopped.
 pub fn every(interval: Duration, stop: &Stop, mut tick: impl FnMut(Duration) -> bool) {
     let mut last = Instant::now();
     let mut next = last + interval;
     while !stop.is_asked() {
         let now = Instant::now();
-        if now >= next {
+        if now >= next || stop.rung.swap(false, Ordering::AcqRel) {
             if !tick(now - last) {
                 return;
             }
@@ -494,6 +509,33 @@ mod tests {
         let t = Instant::now();
         stop.sleep(Duration::from_secs(30));
         assert!(t.elapsed() < Duration::from_secs(10));
+    }
+
+    /// A ring makes `every` tick at once, without stopping it.
+    #[test]
+    fn a_ring_makes_every_tick_now_without_a_stop() {
+        let stop = Stop::new();
+        let ringer = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(100));
+                stop.ring();
+            })
+        };
+        let t = Instant::now();
+        let mut ticks = 0;
+        every(Duration::from_secs(30), &stop, |_| {
+            ticks += 1;
+            false
+        });
+        ringer.join().unwrap();
+        assert_eq!(ticks, 1);
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no tick until {:?}",
+            t.elapsed()
+        );
+        assert!(!stop.is_asked(), "a ring asked for the stop");
     }
 
     #[test]

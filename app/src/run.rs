@@ -195,13 +195,17 @@ pub fn sender(
     let mut sender = SenderHandle::start(opts, connector, cfg.queue_depth)?;
     let mut sources = Vec::new();
     // Synthetic sources render each frame on their own thread straight into an in-place send
-    // block when one is free (else the filling thread renders it into one of its own); the
-    // images and GStreamer sources' frames are copied the same way (over shm into a receiver's
-    // block when one is on offer: one copy, no hand-over to the filling thread). With no
-    // in-place blocks `push_writing_here` pushes every frame.
+    // block when one is free (else the filling thread renders it into one of its own); a
+    // GStreamer source's upstream writes into such blocks through its appsink's pool, and the
+    // images source's frames (and GStreamer samples in upstream's own buffers) are copied the
+    // same way (over shm into a receiver's block when one is on offer: one copy, no hand-over
+    // to the filling thread). With no in-place blocks `push_writing_here` pushes every frame.
+    // Sources that ended, counted before they ring the main thread awake.
+    let ended = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
-        let (stop, frames, policy) = (stop.flag().clone(), d.frames, d.policy);
+        let (ring, ended, frames, policy) = (stop.clone(), ended.clone(), d.frames, d.policy);
+        let stop = stop.flag().clone();
         sources.push(
             std::thread::Builder::new()
                 .name(format!("source-{}", d.id))
@@ -217,6 +221,9 @@ pub fn sender(
                         }
                     }
                     input.end();
+                    // The main thread looks at once whether every source has ended.
+                    ended.fetch_add(1, Ordering::AcqRel);
+                    ring.ring();
                 })
                 .map_err(|source| Error::Io {
                     what: "starting a source thread".into(),
@@ -261,7 +268,7 @@ pub fn sender(
             }
             // Every source ended by itself (a frame count, finite gstreamer pipelines): flush
             // and exit.
-            if sources.iter().all(|s| s.is_finished()) {
+            if ended.load(Ordering::Acquire) == sources.len() {
                 return false;
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
