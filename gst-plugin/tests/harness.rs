@@ -1204,6 +1204,43 @@ fn a_copy_without_a_free_in_place_block_waits_a_moment_then_goes_to_the_filling_
     caps_until_eos(&mut rx);
 }
 
+/// Under `drop-policy=drop-oldest` the sink proposes its pool too, but an acquire never waits
+/// for a block: with both in-place blocks held upstream the third buffer comes at once, an
+/// ordinary one, and is copied; the pooled ones still go in place, and all arrive in order.
+#[test]
+fn a_drop_oldest_sinks_pool_never_makes_upstream_wait() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 12, &[]);
+    let e = sink_element(port, 12, &[("in-place-blocks", 2i32.to_value())]);
+    e.set_property_from_str("drop-policy", "drop-oldest");
+    let mut tx = sink_harness(&e, GRAY);
+    let pool = proposed_pool(&tx);
+    let held: Vec<gst::Buffer> = (0..2u8).map(|i| pooled(&pool, i)).collect();
+    let started = std::time::Instant::now();
+    let plain = pooled(&pool, 2);
+    assert!(
+        started.elapsed() < std::time::Duration::from_millis(100),
+        "the third acquire waited {:?} for a block",
+        started.elapsed()
+    );
+    let mut want = Vec::new();
+    for b in held.into_iter().chain([plain]) {
+        want.push(bytes(&b));
+        tx.push(b).unwrap();
+    }
+    for (i, want) in want.iter().enumerate() {
+        let b = rx.pull().unwrap();
+        assert_eq!(&bytes(&b), want, "frame {i}");
+    }
+    let st = stats(&tx.element().unwrap());
+    assert_eq!(st.get::<u64>("frames-in-place").unwrap(), 2);
+    assert_eq!(st.get::<u64>("frames-copied").unwrap(), 1);
+    pool.set_active(false).unwrap();
+    assert!(tx.push_event(gst::event::Eos::new()));
+    caps_until_eos(&mut rx);
+}
+
 /// The pool says how many buffers it can have out at once (the sender's in-place blocks) and
 /// refuses a configuration that wants more at once: upstream that queues its minimum before
 /// it lets any go (`v4l2src io-mode=userptr`) would otherwise wait for ever on the last one.

@@ -1069,16 +1069,19 @@ impl BaseSinkImpl for RdmaSink {
         query: &mut gst::query::Allocation,
     ) -> Result<(), gst::LoggableError> {
         let (_, need_pool) = query.get();
-        let policy = self.settings.lock().unwrap().drop_policy;
         let mut state = self.state.lock().unwrap();
-        // Only when upstream waits anyway (drop-policy=block: acquiring a buffer waits for a
-        // free send block) and no last sample keeps a buffer, and so its block, past render.
+        // Only when no last sample keeps a buffer, and so its block, past render. With
+        // drop-policy=block acquiring a buffer waits for a free send block (upstream waits
+        // anyway); with drop-oldest it never waits: no block free, a plain buffer, copied.
         if let State::Started(s) = &mut *state
             && need_pool
-            && policy == DropPolicyProperty::Block
             && !self.obj().enables_last_sample()
             && s.lease.in_place_blocks() > 0
         {
+            let wait = match s.drop_policy {
+                DropPolicyProperty::Block => Wait::ForABlock,
+                DropPolicyProperty::DropOldest => Wait::Never,
+            };
             let pool = s.pool.get_or_insert_with(|| {
                 let element = self.obj().downgrade();
                 let check: LinkCheck = std::sync::Arc::new(move || match element.upgrade() {
@@ -1103,7 +1106,7 @@ impl BaseSinkImpl for RdmaSink {
                     }
                 });
                 let lease: std::sync::Arc<dyn BlockLease> = s.lease.clone();
-                BlockPool::new(lease, Wait::ForABlock, check, warn)
+                BlockPool::new(lease, wait, check, warn)
             });
             // At most the sender's in-place blocks out at once (lent blocks of the receiver's
             // memory come on top over shm, but not always): `set_config` refuses more.

@@ -9,15 +9,17 @@
 //!
 //! ## Frames written in place
 //!
-//! With `drop-policy=block` (default) the element answers upstream's allocation query with a
-//! buffer pool whose buffers are send blocks, reserved from the `in-place-blocks` the core
+//! The element answers upstream's allocation query with a buffer pool whose buffers are send
+//! blocks, reserved from the `in-place-blocks` the core
 //! sender adds to `blocks` for them (default half as many; 0 turns the pool off): upstream writes
 //! each frame straight into memory the transport sends from, and `render` marks the buffer so
 //! its block is committed (header and seal written around the payload in place) as soon as
 //! the buffer is let go, right after `render`; a pooled buffer never rendered gives its block
 //! back. A pooled buffer that something else still holds when it is rendered (a `tee`'s other
 //! branch, a `videorate` pushing it twice) is copied instead, so a later frame never overtakes
-//! it. Acquiring a buffer waits for an in-place block to come free. The `blocks` are the
+//! it. With `drop-policy=block` (default) acquiring a buffer waits for an in-place block to
+//! come free; with `drop-oldest` it never waits (a live upstream is never held up by the link):
+//! with no block free it gets an ordinary buffer, which is copied. The `blocks` are the
 //! filling thread's own (copied frames, caps, EOS): a committed frame waiting in a queue never
 //! holds a block the filling thread needs to get to it, and a lossless frame of several blocks
 //! is kept for resending as long as it needs fewer than `blocks`. A frame that does not fit
