@@ -204,7 +204,9 @@ pub fn sender(
     let ended = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for (d, producer) in producers {
         let input = sender.add_device(d.id, d.policy);
-        let (ring, ended, frames, policy) = (stop.clone(), ended.clone(), d.frames, d.policy);
+        let (ring, ended, frames) = (stop.clone(), ended.clone(), d.frames);
+        #[cfg(feature = "gstreamer")]
+        let policy = d.policy;
         let stop = stop.flag().clone();
         sources.push(
             std::thread::Builder::new()

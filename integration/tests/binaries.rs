@@ -29,17 +29,7 @@ fn a_gstreamer_source_feeds_a_gstreamer_sink_through_the_binaries() {
     let port = free_port();
     let raw = "videotestsrc num-buffers=30 pattern=ball ! \
                video/x-raw,format=RGB,width=320,height=240,framerate=25/1";
-    let status = Command::new("gst-launch-1.0")
-        .args(
-            format!(
-                "-q {raw} ! filesink location={}",
-                d.join("ref.raw").display()
-            )
-            .split(' '),
-        )
-        .status()
-        .expect("gst-launch-1.0");
-    assert!(status.success());
+    reference(d, raw);
     let receiver_toml = d.join("receiver.toml");
     std::fs::write(
         &receiver_toml,
@@ -124,18 +114,7 @@ fn a_gstreamer_source_draws_into_the_receivers_memory_over_shm() {
     let d = dir.path();
     let raw = "videotestsrc num-buffers=30 pattern=ball ! \
                video/x-raw,format=RGB,width=320,height=240,framerate=25/1";
-    let status = Command::new("gst-launch-1.0")
-        .args(
-            format!(
-                "-q {raw} ! filesink location={}",
-                d.join("ref.raw").display()
-            )
-            .split(' '),
-        )
-        .status()
-        .expect("gst-launch-1.0");
-    assert!(status.success());
-    let reference = std::fs::read(d.join("ref.raw")).unwrap();
+    let reference = reference(d, raw);
     let address = format!("unix:{}", d.join("rx.sock").display());
     let receiver_toml = d.join("receiver.toml");
     std::fs::write(
@@ -204,6 +183,18 @@ pipeline = "{raw} ! appsink"
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("{line}"));
     assert!(in_receiver > 0, "none into the receiver's memory: {line}");
+}
+
+/// Runs `raw ! filesink` into `dir`/ref.raw and returns its bytes: the frames a source
+/// pipeline's stream must match.
+fn reference(dir: &Path, raw: &str) -> Vec<u8> {
+    let path = dir.join("ref.raw");
+    let status = Command::new("gst-launch-1.0")
+        .args(format!("-q {raw} ! filesink location={}", path.display()).split(' '))
+        .status()
+        .expect("gst-launch-1.0");
+    assert!(status.success(), "{raw} failed");
+    std::fs::read(path).unwrap()
 }
 
 /// The one file in `dir` named `<prefix><session stamp><suffix>`.
