@@ -210,7 +210,7 @@ impl LaunchSource {
     }
 
     /// Makes the `appsink` answer upstream's allocation query with a pool of `input`'s send
-    /// blocks (at most its in-place blocks out at once).
+    /// blocks (for a lossless device at most its in-place blocks out at once).
     fn propose_pool(
         &self,
         stop: &Arc<AtomicBool>,
@@ -237,7 +237,11 @@ impl LaunchSource {
         };
         let lease: Arc<dyn pool::BlockLease> = Arc::new(input.clone());
         let pool = pool::BlockPool::new(lease, wait, check, warn);
-        let max = u32::try_from(input.in_place_blocks()).unwrap_or(u32::MAX);
+        // A pool that never waits has no limit: past its blocks it hands out plain buffers.
+        let max = match wait {
+            pool::Wait::ForABlock => u32::try_from(input.in_place_blocks()).unwrap_or(u32::MAX),
+            pool::Wait::Never => 0,
+        };
         let proposed = pool.clone();
         let pad = self
             .appsink

@@ -1206,7 +1206,8 @@ fn a_copy_without_a_free_in_place_block_waits_a_moment_then_goes_to_the_filling_
 
 /// Under `drop-policy=drop-oldest` the sink proposes its pool too, but an acquire never waits
 /// for a block: with both in-place blocks held upstream the third buffer comes at once, an
-/// ordinary one, and is copied; the pooled ones still go in place, and all arrive in order.
+/// ordinary one, and is copied; the pooled ones still go in place, and all arrive in order. So
+/// the pool proposes no maximum and takes a minimum beyond its blocks.
 #[test]
 fn a_drop_oldest_sinks_pool_never_makes_upstream_wait() {
     init();
@@ -1215,6 +1216,12 @@ fn a_drop_oldest_sinks_pool_never_makes_upstream_wait() {
     let e = sink_element(port, 12, &[("in-place-blocks", 2i32.to_value())]);
     e.set_property_from_str("drop-policy", "drop-oldest");
     let mut tx = sink_harness(&e, GRAY);
+    // No limit proposed, and a minimum beyond the blocks is taken (the pool never waits).
+    let (pool, min, max) = proposal(&tx);
+    assert_eq!((min, max), (0, 0));
+    let mut config = pool.config();
+    config.set_params(Some(&GRAY.parse().unwrap()), 8, 4, 0);
+    assert!(pool.set_config(config).is_ok(), "a minimum of 4 refused");
     let pool = proposed_pool(&tx);
     let held: Vec<gst::Buffer> = (0..2u8).map(|i| pooled(&pool, i)).collect();
     let started = std::time::Instant::now();

@@ -44,7 +44,8 @@ impl BlockLease for DeviceInput {
     }
 }
 
-/// What `render` decided about a pooled buffer's frame.
+/// What the sink (`rdmasink`'s `render`, the binary's appsink probe) decided about a pooled
+/// buffer's frame.
 #[derive(Default)]
 enum SlotState {
     /// Not rendered yet: let go like this, the block is given back.
@@ -170,7 +171,8 @@ impl BufferPoolImpl for BlockPoolImp {
     /// upstream still holds can give back. `v4l2src io-mode=userptr` asks for 4 (with `vivid`)
     /// and queues buffers to the driver before it dequeues any: with 2 blocks it waited for
     /// ever. Refused, it reads the lowered configuration back, finds it short and fails with an
-    /// error at once, and the element's warning says what to set.
+    /// error at once, and the element's warning says what to set. A pool that never waits
+    /// ([`Wait::Never`]) takes any minimum: past its blocks it hands out plain buffers.
     fn set_config(&self, config: &mut gst::BufferPoolConfigRef) -> bool {
         let blocks = self
             .lease
@@ -178,7 +180,9 @@ impl BufferPoolImpl for BlockPoolImp {
             .unwrap()
             .as_ref()
             .map_or(0, |l| l.in_place_blocks());
+        let waits = *self.wait.lock().unwrap() == Wait::ForABlock;
         if let Some((caps, size, min, max)) = config.params()
+            && waits
             && blocks > 0
             && min as usize > blocks
         {

@@ -617,7 +617,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecInt::builder("in-place-blocks")
                     .nick("In-place send blocks")
-                    .blurb("Send blocks for the buffer pool upstream writes frames into, added to `blocks` (which carry caps, EOS and the frames copied when no in-place block is free): a frame waiting in place never holds up a copied one; -1: half of `blocks`; 0: no pool, every frame is copied. Over tcp with blocks of 2 to 4 MiB a live stream keeps at most 8 MiB of them in use (a buffer beyond waits up to 20 ms). Upstream that needs more buffers at once is refused with a warning naming the value to set (v4l2src io-mode=userptr wants 4). Set by the first sink of a shared connection")
+                    .blurb("Send blocks for the buffer pool upstream writes frames into, added to `blocks` (which carry caps, EOS and the frames copied when no in-place block is free): a frame waiting in place never holds up a copied one; -1: half of `blocks`; 0: no pool, every frame is copied. Over tcp with blocks of 2 to 4 MiB a live stream keeps at most 8 MiB of them in use (a buffer beyond waits up to 20 ms). With drop-policy=block upstream that needs more buffers at once is refused with a warning naming the value to set (v4l2src io-mode=userptr wants 4); with drop-oldest a buffer never waits for a block (none free: an ordinary buffer, copied). Set by the first sink of a shared connection")
                     .minimum(-1)
                     .maximum(4096)
                     .default_value(DEFAULT_IN_PLACE_BLOCKS)
@@ -1109,8 +1109,12 @@ impl BaseSinkImpl for RdmaSink {
                 BlockPool::new(lease, wait, check, warn)
             });
             // At most the sender's in-place blocks out at once (lent blocks of the receiver's
-            // memory come on top over shm, but not always): `set_config` refuses more.
-            let max = u32::try_from(s.lease.in_place_blocks()).unwrap_or(u32::MAX);
+            // memory come on top over shm, but not always): `set_config` refuses more. A pool
+            // that never waits has no limit: past its blocks it hands out plain buffers.
+            let max = match wait {
+                Wait::ForABlock => u32::try_from(s.lease.in_place_blocks()).unwrap_or(u32::MAX),
+                Wait::Never => 0,
+            };
             query.add_allocation_pool(Some(pool), 0, 0, max);
             gst::debug!(CAT, imp = self, "proposing the send-block pool");
         }
