@@ -92,6 +92,8 @@ struct Run {
     blocks: u32,
     /// rdmasrc's `max-buffers` (0: not set, its default 8).
     max_buffers: u32,
+    /// rdmasink's `drop-policy` (block or drop-oldest).
+    drop_policy: String,
 }
 
 fn caps() -> String {
@@ -120,8 +122,9 @@ impl Run {
         );
         let sink = match self.variant {
             Variant::Rdma => format!(
-                "rdmasink host={} port={port} transport={transport} sync=false",
-                self.rdma_host()
+                "rdmasink host={} port={port} transport={transport} sync=false drop-policy={}",
+                self.rdma_host(),
+                self.drop_policy
             ),
             // A bounded client queue that skips to the newest buffer when the client lags,
             // instead of growing without limit.
@@ -253,6 +256,7 @@ fn child(args: &[String]) {
         poll_max: get("--poll-max").parse().unwrap(),
         blocks: get("--blocks").parse().unwrap(),
         max_buffers: get("--max-buffers").parse().unwrap(),
+        drop_policy: get("--drop-policy"),
     };
     let start: u64 = get("--start").parse().unwrap();
     let end: u64 = get("--end").parse().unwrap();
@@ -382,6 +386,8 @@ fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
             &run.blocks.to_string(),
             "--max-buffers",
             &run.max_buffers.to_string(),
+            "--drop-policy",
+            &run.drop_policy,
             "--start",
             &start.to_string(),
             "--end",
@@ -445,12 +451,13 @@ fn main() {
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500] [--blocks 0] [--max-buffers 0]\n\
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500] [--blocks 0] [--max-buffers 0] [--drop-policy block]\n\
              Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
              for 640x480 RGB at 25 fps and unthrottled. --in-place: videotestsrc writes into \
              rdmasink's pool of send blocks (otherwise every sink copies each frame). --poll-spin, \
              --poll-max: rdmasrc's poll-spin and poll-max (µs). --blocks: rdmasrc's blocks \
-             (0: its default, 16). --max-buffers: rdmasrc's max-buffers (0: its default, 8)."
+             (0: its default, 16). --max-buffers: rdmasrc's max-buffers (0: its default, 8). \
+             --drop-policy: rdmasink's (block or drop-oldest)."
         );
         return;
     }
@@ -463,6 +470,11 @@ fn main() {
     let poll_max: u32 = opt("--poll-max", "500").parse().expect("--poll-max");
     let blocks: u32 = opt("--blocks", "0").parse().expect("--blocks");
     let max_buffers: u32 = opt("--max-buffers", "0").parse().expect("--max-buffers");
+    let drop_policy = opt("--drop-policy", "block");
+    assert!(
+        ["block", "drop-oldest"].contains(&drop_policy.as_str()),
+        "--drop-policy is block or drop-oldest, not {drop_policy}"
+    );
     gst::init().unwrap();
     let dir = std::env::temp_dir().join(format!("gst-bench-{}", std::process::id()));
     match std::env::var(PLUGIN_ENV) {
@@ -498,6 +510,7 @@ fn main() {
                 poll_max,
                 blocks,
                 max_buffers,
+                drop_policy: drop_policy.clone(),
                 socket: dir
                     .join(format!("shm-{}-{live}", variant.name()))
                     .display()
