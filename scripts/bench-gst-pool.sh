@@ -6,15 +6,13 @@
 # draws into its own buffer, which the source copies). Over TRANSPORT (shm or tcp) to the
 # receiver binary (which hands them to a `fakesink`: no disk in the way), FRAMES frames,
 # unthrottled (`sync=false`; `paced` as the 5th argument: a live source at 25 fps, as a camera
-# is), the device's
-# POLICY (block: the pool waits for a free send block; drop-oldest: over shm the frames go
-# straight into the receiver's memory), ROUNDS rounds of the two in turn; with
+# is), the device's POLICY (block: the pool waits for a free send block; drop-oldest: over shm
+# the frames go straight into the receiver's memory), ROUNDS rounds of the two in turn; with
 # BENCH_BIN_DIRS (directories of `sender` and `receiver` binaries, e.g. an older build's), the
 # two with each in turn. Prints per run the sender process's CPU seconds (GNU time, user +
 # sys), the pipeline's frames per second (from the sender's first log line to its last frame
-# taken, not known for older builds: the process itself exits on its next status tick),
-# how its frames went, and the receiver's latency. A benchmark: it prints figures and asserts
-# nothing.
+# taken; "-" for builds before 4bdaac8, which do not log that), how its frames went, and the
+# receiver's latency. A benchmark: it prints figures and asserts nothing.
 #   scripts/bench-gst-pool.sh [rounds] [frames] [transport] [policy] [unthrottled|paced]
 set -euo pipefail
 cd "$(dirname "$0")/.."
