@@ -86,6 +86,11 @@ impl LaunchSource {
         if appsink.max_buffers() == 0 {
             appsink.set_max_buffers(4);
         }
+        if appsink.is_drop() {
+            tracing::warn!(
+                "device {device}: the pipeline's appsink drop=true drops nothing: the sender takes each frame before the appsink queues it; policy = \"drop-oldest\" drops frames the link cannot take"
+            );
+        }
         Ok(LaunchSource {
             device,
             launch: launch.to_string(),
