@@ -236,17 +236,9 @@ impl LaunchSource {
                 "device {device}: the pipeline wants {min} buffers of the send-block pool at once, but the sender has {blocks} in-place blocks: set in_place_blocks = {min} or more"
             );
         });
-        let wait = match policy {
-            DropPolicy::Block => pool::Wait::ForABlock,
-            DropPolicy::DropOldest => pool::Wait::Never,
-        };
         let lease: Arc<dyn pool::BlockLease> = Arc::new(input.clone());
-        let pool = pool::BlockPool::new(lease, wait, check, warn);
-        // A pool that never waits has no limit: past its blocks it hands out plain buffers.
-        let max = match wait {
-            pool::Wait::ForABlock => u32::try_from(input.in_place_blocks()).unwrap_or(u32::MAX),
-            pool::Wait::Never => 0,
-        };
+        let pool = pool::BlockPool::new(lease, pool::Wait::for_policy(policy), check, warn);
+        let max = pool.max_buffers();
         let proposed = pool.clone();
         let pad = self
             .appsink
@@ -342,20 +334,19 @@ impl FrameTaker {
             pts_ns: running.map(|r| r.nseconds()),
             format,
         };
-        let (buffer, meta) = match &self.outstanding {
-            Some(o) => match mark_in_place(o, buffer, meta) {
-                // Its block was committed as the buffer went.
-                Ok(remote) => {
-                    self.in_place.fetch_add(1, Ordering::Relaxed);
-                    if remote {
-                        self.in_receiver.fetch_add(1, Ordering::Relaxed);
-                    }
-                    return;
-                }
-                Err(back) => back,
-            },
-            None => (buffer, meta),
-        };
+        // `mark_buffer` takes the metadata only when the buffer is ours: a copy for the other
+        // case. Marked, its block is committed when `buffer` goes, at the return.
+        if let Some(remote) = self
+            .outstanding
+            .as_ref()
+            .and_then(|o| o.mark_buffer(&buffer, meta.clone()))
+        {
+            self.in_place.fetch_add(1, Ordering::Relaxed);
+            if remote {
+                self.in_receiver.fetch_add(1, Ordering::Relaxed);
+            }
+            return;
+        }
         let Ok(data) = buffer.into_mapped_buffer_readable() else {
             return;
         };
@@ -370,31 +361,6 @@ impl FrameTaker {
         if !sent {
             self.ended.store(true, Ordering::Release);
         }
-    }
-}
-
-/// Marks `buffer` to be committed in place with `meta` when it is one of the pool's send
-/// blocks that nothing else holds (a `tee`'s other branch would make its commit wait, and a
-/// later frame overtake it), saying whether the block is the receiver's memory itself;
-/// otherwise gives both back, to be copied.
-fn mark_in_place(
-    outstanding: &pool::Outstanding,
-    buffer: gst::Buffer,
-    meta: FrameMeta,
-) -> Result<bool, (gst::Buffer, FrameMeta)> {
-    if buffer.n_memory() != 1 || !buffer.is_writable() || !buffer.is_all_memory_writable() {
-        return Err((buffer, meta));
-    }
-    let marked = {
-        let Ok(map) = buffer.map_readable() else {
-            return Err((buffer, meta));
-        };
-        // `mark` takes the metadata only when the memory is ours: keep a copy to give back.
-        outstanding.mark(map.as_ptr() as usize, map.len(), meta.clone())
-    };
-    match marked {
-        Some(remote) => Ok(remote),
-        None => Err((buffer, meta)),
     }
 }
 

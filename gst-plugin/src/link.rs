@@ -12,7 +12,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use rdmastream::engine::{DeviceInput, SenderHandle, SenderOptions};
-use rdmastream::engine::{FrameMeta, NotReserved, Reservation, SourceFrame};
+use rdmastream::engine::{NotReserved, Reservation, SourceFrame};
 use rdmastream::stats::DeviceCounters;
 use rdmastream::transport::SendBlocks;
 use rdmastream::transport::observe::{ConnectionObserver, observed};
@@ -403,11 +403,6 @@ impl BlockLease for DeviceLease {
             Some(input) => input.reserve(len, timeout),
             None => Err(NotReserved::Stopped),
         }
-    }
-
-    /// Commits a reservation written in place (see [`Self::count_pushed`]).
-    fn commit(&self, reservation: Reservation, meta: FrameMeta) -> bool {
-        reservation.commit(meta)
     }
 }
 

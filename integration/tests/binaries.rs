@@ -13,6 +13,15 @@ fn spawn(dir: &Path, name: &str, args: &[&str]) -> Child {
     rdmastream_testkit::spawn(&bin(name), args, &dir.join(format!("{name}.log")))
 }
 
+/// The receiver binary with `config`, exiting once every stream it got has ended.
+fn spawn_receiver(dir: &Path, config: &Path) -> Child {
+    spawn(
+        dir,
+        "receiver",
+        &["--config", config.to_str().unwrap(), "--exit-after-eos"],
+    )
+}
+
 fn wait_success(mut child: Child, dir: &Path, name: &str) {
     exits_ok(
         &mut child,
@@ -70,15 +79,7 @@ policy = "block"
         ),
     )
     .unwrap();
-    let rx = spawn(
-        d,
-        "receiver",
-        &[
-            "--config",
-            receiver_toml.to_str().unwrap(),
-            "--exit-after-eos",
-        ],
-    );
+    let rx = spawn_receiver(d, &receiver_toml);
     let tx = spawn(d, "sender", &["--config", sender_toml.to_str().unwrap()]);
     wait_success(tx, d, "sender");
     wait_success(rx, d, "receiver");
@@ -142,15 +143,7 @@ pipeline = "{raw} ! appsink"
         ),
     )
     .unwrap();
-    let rx = spawn(
-        d,
-        "receiver",
-        &[
-            "--config",
-            receiver_toml.to_str().unwrap(),
-            "--exit-after-eos",
-        ],
-    );
+    let rx = spawn_receiver(d, &receiver_toml);
     rdmastream_testkit::wait_listening(&d.join("receiver.log"));
     let tx = spawn(d, "sender", &["--config", sender_toml.to_str().unwrap()]);
     wait_success(tx, d, "sender");

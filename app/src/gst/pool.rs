@@ -17,7 +17,7 @@ use gst::glib;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 
-use rdmastream::engine::{DeviceInput, FrameMeta, NotReserved, Reservation};
+use rdmastream::engine::{DeviceInput, DropPolicy, FrameMeta, NotReserved, Reservation};
 
 /// Where a pool's blocks come from: one device of a sender.
 pub trait BlockLease: Send + Sync + 'static {
@@ -26,8 +26,11 @@ pub trait BlockLease: Send + Sync + 'static {
     /// Takes a free in-place block for `len` bytes, waiting up to `timeout`
     /// ([`DeviceInput::reserve`]).
     fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved>;
-    /// Hands a block written in place on ([`Reservation::commit`]).
-    fn commit(&self, reservation: Reservation, meta: FrameMeta) -> bool;
+    /// Hands a block written in place on ([`Reservation::commit`]). The pool's memories call
+    /// it through their lease, which they hold until then.
+    fn commit(&self, reservation: Reservation, meta: FrameMeta) -> bool {
+        reservation.commit(meta)
+    }
 }
 
 impl BlockLease for DeviceInput {
@@ -37,10 +40,6 @@ impl BlockLease for DeviceInput {
 
     fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved> {
         DeviceInput::reserve(self, len, timeout)
-    }
-
-    fn commit(&self, reservation: Reservation, meta: FrameMeta) -> bool {
-        reservation.commit(meta)
     }
 }
 
@@ -81,6 +80,18 @@ impl Outstanding {
             }
             _ => None,
         }
+    }
+
+    /// Marks `buffer` (see [`Outstanding::mark`]) when it is one memory of this pool that
+    /// nothing but the caller holds: a buffer something else still holds (a `tee`'s other
+    /// branch, a `videorate` about to push it again) would have its commit wait for that
+    /// holder, and a later frame overtake it. `None`: the caller copies.
+    pub fn mark_buffer(&self, buffer: &gst::Buffer, meta: FrameMeta) -> Option<bool> {
+        if buffer.n_memory() != 1 || !buffer.is_writable() || !buffer.is_all_memory_writable() {
+            return None;
+        }
+        let map = buffer.map_readable().ok()?;
+        self.mark(map.as_ptr() as usize, map.len(), meta)
     }
 }
 
@@ -131,6 +142,16 @@ pub enum Wait {
     /// Takes a block only if one is free now, else hands out a plain buffer, which the sink
     /// copies (a lossy live device: upstream never waits on the link).
     Never,
+}
+
+impl Wait {
+    /// How a device with `policy` waits: a lossless one for a block, a live one never.
+    pub fn for_policy(policy: DropPolicy) -> Wait {
+        match policy {
+            DropPolicy::Block => Wait::ForABlock,
+            DropPolicy::DropOldest => Wait::Never,
+        }
+    }
 }
 
 pub struct BlockPoolImp {
@@ -297,6 +318,18 @@ impl BlockPool {
         *pool.imp().check.lock().unwrap() = Some(check);
         *pool.imp().warn.lock().unwrap() = Some(warn);
         pool
+    }
+
+    /// The most buffers to propose upstream: the sender's in-place blocks for a pool that
+    /// waits (`set_config` refuses more); 0, no limit, for one that never waits (past its
+    /// blocks it hands out plain buffers).
+    pub fn max_buffers(&self) -> u32 {
+        match *self.imp().wait.lock().unwrap() {
+            Wait::Never => 0,
+            Wait::ForABlock => self.imp().lease.lock().unwrap().as_ref().map_or(0, |l| {
+                u32::try_from(l.in_place_blocks()).unwrap_or(u32::MAX)
+            }),
+        }
     }
 
     /// The memories of this pool not yet let go.

@@ -422,15 +422,8 @@ impl RdmaSink {
             return Ok(false);
         };
         // Only this sink holds the buffer and its memory: let go right after render.
-        if buffer.n_memory() != 1 || !buffer.is_writable() || !buffer.is_all_memory_writable() {
-            return Ok(false);
-        }
-        let Ok(map) = buffer.map_readable() else {
-            return Ok(false);
-        };
-        let outstanding = pool.outstanding();
         let meta = s.next_meta(times).expect("caps checked above");
-        let Some(remote) = outstanding.mark(map.as_ptr() as usize, map.len(), meta) else {
+        let Some(remote) = pool.outstanding().mark_buffer(buffer, meta) else {
             return Ok(false);
         };
         s.next_index += 1;
@@ -1078,10 +1071,7 @@ impl BaseSinkImpl for RdmaSink {
             && !self.obj().enables_last_sample()
             && s.lease.in_place_blocks() > 0
         {
-            let wait = match s.drop_policy {
-                DropPolicyProperty::Block => Wait::ForABlock,
-                DropPolicyProperty::DropOldest => Wait::Never,
-            };
+            let wait = Wait::for_policy(s.drop_policy.into());
             let pool = s.pool.get_or_insert_with(|| {
                 let element = self.obj().downgrade();
                 let check: LinkCheck = std::sync::Arc::new(move || match element.upgrade() {
@@ -1109,13 +1099,9 @@ impl BaseSinkImpl for RdmaSink {
                 BlockPool::new(lease, wait, check, warn)
             });
             // At most the sender's in-place blocks out at once (lent blocks of the receiver's
-            // memory come on top over shm, but not always): `set_config` refuses more. A pool
-            // that never waits has no limit: past its blocks it hands out plain buffers.
-            let max = match wait {
-                Wait::ForABlock => u32::try_from(s.lease.in_place_blocks()).unwrap_or(u32::MAX),
-                Wait::Never => 0,
-            };
-            query.add_allocation_pool(Some(pool), 0, 0, max);
+            // memory come on top over shm, but not always), or no limit for a pool that never
+            // waits: `BlockPool::max_buffers`.
+            query.add_allocation_pool(Some(pool), 0, 0, pool.max_buffers());
             gst::debug!(CAT, imp = self, "proposing the send-block pool");
         }
         Ok(())
