@@ -94,6 +94,9 @@ struct Run {
     max_buffers: u32,
     /// rdmasink's `drop-policy` (block or drop-oldest).
     drop_policy: String,
+    /// `--pin`: the sending process on core 0 and the receiving one on core 1 (`taskset`), as
+    /// with sender and receiver on two hosts, where neither takes the other's CPU.
+    pin: bool,
 }
 
 fn caps() -> String {
@@ -257,6 +260,8 @@ fn child(args: &[String]) {
         blocks: get("--blocks").parse().unwrap(),
         max_buffers: get("--max-buffers").parse().unwrap(),
         drop_policy: get("--drop-policy"),
+        // Pinned (or not) by the parent, before this process started.
+        pin: false,
     };
     let start: u64 = get("--start").parse().unwrap();
     let end: u64 = get("--end").parse().unwrap();
@@ -362,42 +367,50 @@ fn child(args: &[String]) {
 }
 
 fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--role",
-            role,
-            "--variant",
-            run.variant.name(),
-            "--live",
-            if run.live { "true" } else { "false" },
-            "--transport",
-            &run.transport,
-            "--port",
-            &run.port.to_string(),
-            "--socket",
-            &run.socket,
-            "--in-place",
-            if run.in_place { "true" } else { "false" },
-            "--poll-spin",
-            &run.poll_spin.to_string(),
-            "--poll-max",
-            &run.poll_max.to_string(),
-            "--blocks",
-            &run.blocks.to_string(),
-            "--max-buffers",
-            &run.max_buffers.to_string(),
-            "--drop-policy",
-            &run.drop_policy,
-            "--start",
-            &start.to_string(),
-            "--end",
-            &end.to_string(),
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("starting a benchmark process")
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = if run.pin {
+        let mut c = Command::new("taskset");
+        let core = if role == "send" { "0" } else { "1" };
+        c.args(["-c", core]).arg(&exe);
+        c
+    } else {
+        Command::new(&exe)
+    };
+    cmd.args([
+        "--role",
+        role,
+        "--variant",
+        run.variant.name(),
+        "--live",
+        if run.live { "true" } else { "false" },
+        "--transport",
+        &run.transport,
+        "--port",
+        &run.port.to_string(),
+        "--socket",
+        &run.socket,
+        "--in-place",
+        if run.in_place { "true" } else { "false" },
+        "--poll-spin",
+        &run.poll_spin.to_string(),
+        "--poll-max",
+        &run.poll_max.to_string(),
+        "--blocks",
+        &run.blocks.to_string(),
+        "--max-buffers",
+        &run.max_buffers.to_string(),
+        "--drop-policy",
+        &run.drop_policy,
+        "--start",
+        &start.to_string(),
+        "--end",
+        &end.to_string(),
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit())
+    .spawn()
+    .expect("starting a benchmark process")
 }
 
 /// The RESULT line of a finished child, as key → value.
@@ -451,13 +464,14 @@ fn main() {
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500] [--blocks 0] [--max-buffers 0] [--drop-policy block]\n\
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500] [--blocks 0] [--max-buffers 0] [--drop-policy block] [--pin]\n\
              Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
              for 640x480 RGB at 25 fps and unthrottled. --in-place: videotestsrc writes into \
              rdmasink's pool of send blocks (otherwise every sink copies each frame). --poll-spin, \
              --poll-max: rdmasrc's poll-spin and poll-max (µs). --blocks: rdmasrc's blocks \
              (0: its default, 16). --max-buffers: rdmasrc's max-buffers (0: its default, 8). \
-             --drop-policy: rdmasink's (block or drop-oldest)."
+             --drop-policy: rdmasink's (block or drop-oldest). --pin: the sending process \
+             on core 0, the receiving one on core 1 (taskset), as on two hosts."
         );
         return;
     }
@@ -471,6 +485,10 @@ fn main() {
     let blocks: u32 = opt("--blocks", "0").parse().expect("--blocks");
     let max_buffers: u32 = opt("--max-buffers", "0").parse().expect("--max-buffers");
     let drop_policy = opt("--drop-policy", "block");
+    let pin = args.iter().any(|a| a == "--pin");
+    if pin && std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        panic!("--pin needs two cores");
+    }
     assert!(
         ["block", "drop-oldest"].contains(&drop_policy.as_str()),
         "--drop-policy is block or drop-oldest, not {drop_policy}"
@@ -511,6 +529,7 @@ fn main() {
                 blocks,
                 max_buffers,
                 drop_policy: drop_policy.clone(),
+                pin,
                 socket: dir
                     .join(format!("shm-{}-{live}", variant.name()))
                     .display()
