@@ -115,8 +115,8 @@ impl LaunchSource {
     /// before GStreamer 1.24), so an upstream that writes into downstream's buffers
     /// (`videotestsrc`, `videoconvert`, `v4l2src io-mode=userptr`) writes each frame straight
     /// into a send block, over shm into the receiver's memory, and the frame is committed
-    /// without a copy. For a `drop-oldest` device an acquire never waits: with no block free
-    /// it gets a plain buffer. Any other buffer is copied
+    /// without a copy. For a `drop-oldest` device an acquire waits only a moment
+    /// (`DROP_OLDEST_PATIENCE`): with no block free by then it gets a plain buffer. Any other buffer is copied
     /// ([`DeviceInput::push_writing_here`]). The log says how many went which way.
     pub fn run(
         self,

@@ -2398,6 +2398,51 @@ fn a_dropped_committed_frame_gives_its_in_place_block_back() {
     receiver.stop();
 }
 
+/// A frame pushed into a drop-oldest device's full queue waits a moment for room
+/// (`DROP_OLDEST_PATIENCE`) before the oldest queued frame is dropped for it: a source faster
+/// than the link leaves the threads that empty the queue their turn instead of taking their
+/// core (README, "A moment's wait under drop-oldest").
+#[test]
+fn a_frame_pushed_into_a_full_drop_oldest_queue_waits_a_moment_before_one_is_dropped() {
+    let fabric = MemFabric::new();
+    let opts = SenderOptions {
+        name: "drop-moment".into(),
+        key: Some(key()),
+        send_blocks: 1,
+        block_size: 4096,
+        reconnect_min: Duration::from_millis(20),
+        reconnect_max: Duration::from_millis(50),
+        ..Default::default()
+    };
+    // No receiver: the filling thread fills its one block and then waits for another, so the
+    // two-deep queue fills and stays full.
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 2).unwrap();
+    let input = s.add_device(1, DropPolicy::DropOldest);
+    let frame = |index: u64| octets(index, vec![index as u8; 100]);
+    for i in 0..4 {
+        assert!(input.push(frame(i)));
+    }
+    let counters = s.counters().device(&1);
+    std::thread::sleep(Duration::from_millis(300));
+    let dropped = get(&counters.drops);
+    let started = std::time::Instant::now();
+    assert!(input.push(frame(4)));
+    let waited = started.elapsed();
+    let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
+    assert!(
+        waited >= moment,
+        "the push waited {waited:?}, not {moment:?}"
+    );
+    assert_eq!(
+        get(&counters.drops),
+        dropped + 1,
+        "one queued frame dropped for it"
+    );
+    input.end();
+    drop(input);
+    drop(s);
+}
+
 /// A sender over shm with 4 send blocks of 4096 bytes, `in_place_blocks` of them in place (so it
 /// lends the receiver's blocks), and a receiver handing every frame to `sink` (a [`Hoard`] by
 /// default) on a fresh socket (`path`, inside `_dir`) with 8 blocks.

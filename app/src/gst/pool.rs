@@ -17,6 +17,7 @@ use gst::glib;
 use gst::prelude::*;
 use gst::subclass::prelude::*;
 
+use rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
 use rdmastream::engine::{DeviceInput, DropPolicy, FrameMeta, NotReserved, Reservation};
 
 /// Where a pool's blocks come from: one device of a sender.
@@ -139,17 +140,18 @@ pub enum Wait {
     /// Waits (upstream waits with it: a lossless or blocking device), checking the link every
     /// 100 ms.
     ForABlock,
-    /// Takes a block only if one is free now, else hands out a plain buffer, which the sink
-    /// copies (a lossy live device: upstream never waits on the link).
-    Never,
+    /// Waits a moment for a block ([`DROP_OLDEST_PATIENCE`]), then hands out a plain buffer,
+    /// which the sink copies (a lossy live device: upstream is never held up by the link for
+    /// longer than that).
+    AMoment,
 }
 
 impl Wait {
-    /// How a device with `policy` waits: a lossless one for a block, a live one never.
+    /// How a device with `policy` waits: a lossless one for a block, a live one a moment.
     pub fn for_policy(policy: DropPolicy) -> Wait {
         match policy {
             DropPolicy::Block => Wait::ForABlock,
-            DropPolicy::DropOldest => Wait::Never,
+            DropPolicy::DropOldest => Wait::AMoment,
         }
     }
 }
@@ -192,8 +194,8 @@ impl BufferPoolImpl for BlockPoolImp {
     /// upstream still holds can give back. `v4l2src io-mode=userptr` asks for 4 (with `vivid`)
     /// and queues buffers to the driver before it dequeues any: with 2 blocks it waited for
     /// ever. Refused, it reads the lowered configuration back, finds it short and fails with an
-    /// error at once, and the element's warning says what to set. A pool that never waits
-    /// ([`Wait::Never`]) takes any minimum: past its blocks it hands out plain buffers.
+    /// error at once, and the element's warning says what to set. A pool that waits only a
+    /// moment ([`Wait::AMoment`]) takes any minimum: past its blocks it hands out plain buffers.
     fn set_config(&self, config: &mut gst::BufferPoolConfigRef) -> bool {
         let blocks = self
             .lease
@@ -228,9 +230,10 @@ impl BufferPoolImpl for BlockPoolImp {
             .config()
             .params()
             .map_or(0, |(_, size, _, _)| size as usize);
-        let timeout = match *self.wait.lock().unwrap() {
+        let wait = *self.wait.lock().unwrap();
+        let timeout = match wait {
             Wait::ForABlock => Duration::from_millis(100),
-            Wait::Never => Duration::ZERO,
+            Wait::AMoment => DROP_OLDEST_PATIENCE,
         };
         loop {
             if self.flushing.load(Ordering::Acquire) {
@@ -259,12 +262,13 @@ impl BufferPoolImpl for BlockPoolImp {
                     buffer.get_mut().expect("new buffer").append_memory(memory);
                     return Ok(buffer);
                 }
+                // None came free in a moment: a plain buffer, copied.
+                Err(NotReserved::TimedOut) if wait == Wait::AMoment => {
+                    return gst::Buffer::with_size(size).map_err(|_| gst::FlowError::Error);
+                }
                 // No block came free: the receiver may be gone for good (every block then
                 // waits for it), which only the element's check notices; without it upstream
                 // would wait here for ever and `reconnect-timeout` never fire.
-                Err(NotReserved::TimedOut) if timeout.is_zero() => {
-                    return gst::Buffer::with_size(size).map_err(|_| gst::FlowError::Error);
-                }
                 Err(NotReserved::TimedOut) => {
                     let check = self.check.lock().unwrap().clone();
                     if let Some(check) = check {
@@ -321,11 +325,11 @@ impl BlockPool {
     }
 
     /// The most buffers to propose upstream: the sender's in-place blocks for a pool that
-    /// waits (`set_config` refuses more); 0, no limit, for one that never waits (past its
+    /// waits (`set_config` refuses more); 0, no limit, for one that waits a moment (past its
     /// blocks it hands out plain buffers).
     pub fn max_buffers(&self) -> u32 {
         match *self.imp().wait.lock().unwrap() {
-            Wait::Never => 0,
+            Wait::AMoment => 0,
             Wait::ForABlock => self.imp().lease.lock().unwrap().as_ref().map_or(0, |l| {
                 u32::try_from(l.in_place_blocks()).unwrap_or(u32::MAX)
             }),

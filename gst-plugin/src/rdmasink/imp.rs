@@ -610,7 +610,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecInt::builder("in-place-blocks")
                     .nick("In-place send blocks")
-                    .blurb("Send blocks for the buffer pool upstream writes frames into, added to `blocks` (which carry caps, EOS and the frames copied when no in-place block is free): a frame waiting in place never holds up a copied one; -1: half of `blocks`; 0: no pool, every frame is copied. Over tcp with blocks of 2 to 4 MiB a live stream keeps at most 8 MiB of them in use (a buffer beyond waits up to 20 ms). With drop-policy=block upstream that needs more buffers at once is refused with a warning naming the value to set (v4l2src io-mode=userptr wants 4); with drop-oldest a buffer never waits for a block (none free: an ordinary buffer, copied). Set by the first sink of a shared connection")
+                    .blurb("Send blocks for the buffer pool upstream writes frames into, added to `blocks` (which carry caps, EOS and the frames copied when no in-place block is free): a frame waiting in place never holds up a copied one; -1: half of `blocks`; 0: no pool, every frame is copied. Over tcp with blocks of 2 to 4 MiB a live stream keeps at most 8 MiB of them in use (a buffer beyond waits up to 20 ms). With drop-policy=block upstream that needs more buffers at once is refused with a warning naming the value to set (v4l2src io-mode=userptr wants 4); with drop-oldest a buffer waits at most 1 ms for a block (none free by then: an ordinary buffer, copied). Set by the first sink of a shared connection")
                     .minimum(-1)
                     .maximum(4096)
                     .default_value(DEFAULT_IN_PLACE_BLOCKS)
@@ -1065,7 +1065,8 @@ impl BaseSinkImpl for RdmaSink {
         let mut state = self.state.lock().unwrap();
         // Only when no last sample keeps a buffer, and so its block, past render. With
         // drop-policy=block acquiring a buffer waits for a free send block (upstream waits
-        // anyway); with drop-oldest it never waits: no block free, a plain buffer, copied.
+        // anyway); with drop-oldest it waits a moment: no block free by then, a plain buffer,
+        // copied.
         if let State::Started(s) = &mut *state
             && need_pool
             && !self.obj().enables_last_sample()
