@@ -441,8 +441,9 @@ impl RdmaSink {
     /// commits it: over shm into a block of the receiver's memory whenever the sending thread
     /// has one on offer (the frame's only copy, as shmsink's), otherwise into a free in-place
     /// send block. With `drop-policy=block` it waits for one up to [`COPY_PATIENCE`] (over shm
-    /// the reservation's own wait for a receiver's block is part of it), with `drop-oldest` not
-    /// at all. False when it got none (no in-place blocks, a frame larger than one block, all
+    /// the reservation's own wait for a receiver's block is part of it), with `drop-oldest` a
+    /// moment (`DROP_OLDEST_PATIENCE`): a source faster than the link that never waited here
+    /// kept its core while the frames went the long way, queued and copied twice. False when it got none (no in-place blocks, a frame larger than one block, all
     /// in use): the caller pushes the buffer and the filling thread copies it, as before.
     fn render_copied_here(
         &self,
@@ -454,7 +455,7 @@ impl RdmaSink {
         let timeout = if policy == DropPolicyProperty::Block {
             COPY_PATIENCE
         } else {
-            Duration::ZERO
+            rdmastream::engine::sender::DROP_OLDEST_PATIENCE
         };
         let mut r = match lease.reserve(buffer.size(), timeout) {
             Ok(r) => r,

@@ -26,7 +26,8 @@
 //! is kept for resending as long as it needs fewer than `blocks`. A frame that does not fit
 //! one block (`block-size` minus 60 bytes of header and trailer) gets an ordinary buffer; any
 //! buffer not from the pool is copied: by `render` itself into an in-place block when one is
-//! free (with `drop-policy=block` it waits up to 2 ms for one), otherwise by the filling thread
+//! free (it waits up to 2 ms for one with `drop-policy=block`, 1 ms with `drop-oldest`),
+//! otherwise by the filling thread
 //! into one of `blocks`. Over `transport=shm` a pooled buffer, and the block `render` copies
 //! into, is, whenever the sending thread has one on offer, a block of the receiver's memory
 //! itself: the frame is written once, where `rdmasrc` reads it, and the sender posts only its
