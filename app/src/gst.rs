@@ -116,8 +116,8 @@ impl LaunchSource {
     /// (`videotestsrc`, `videoconvert`, `v4l2src io-mode=userptr`) writes each frame straight
     /// into a send block, over shm into the receiver's memory, and the frame is committed
     /// without a copy. For a `drop-oldest` device an acquire waits only a moment
-    /// (`DROP_OLDEST_PATIENCE`): with no block free by then it gets a plain buffer. Any other buffer is copied
-    /// ([`DeviceInput::push_writing_here`]). The log says how many went which way.
+    /// (`DROP_OLDEST_PATIENCE`): with no block free by then it gets a plain buffer. Any other
+    /// buffer is copied ([`DeviceInput::push_writing_here`]). The log says how many went which way.
     pub fn run(
         self,
         stop: &Arc<AtomicBool>,

@@ -443,8 +443,9 @@ impl RdmaSink {
     /// send block. With `drop-policy=block` it waits for one up to [`COPY_PATIENCE`] (over shm
     /// the reservation's own wait for a receiver's block is part of it), with `drop-oldest` a
     /// moment (`DROP_OLDEST_PATIENCE`): a source faster than the link that never waited here
-    /// kept its core while the frames went the long way, queued and copied twice. False when it got none (no in-place blocks, a frame larger than one block, all
-    /// in use): the caller pushes the buffer and the filling thread copies it, as before.
+    /// kept its core while the frames went the long way, queued and copied twice. False when
+    /// it got none (no in-place blocks, a frame larger than one block, all in use): the caller
+    /// pushes the buffer and the filling thread copies it, as before.
     fn render_copied_here(
         &self,
         buffer: &gst::Buffer,

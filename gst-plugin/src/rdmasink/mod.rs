@@ -10,31 +10,30 @@
 //! ## Frames written in place
 //!
 //! The element answers upstream's allocation query with a buffer pool whose buffers are send
-//! blocks, reserved from the `in-place-blocks` the core
-//! sender adds to `blocks` for them (default half as many; 0 turns the pool off): upstream writes
-//! each frame straight into memory the transport sends from, and `render` marks the buffer so
-//! its block is committed (header and seal written around the payload in place) as soon as
-//! the buffer is let go, right after `render`; a pooled buffer never rendered gives its block
-//! back. A pooled buffer that something else still holds when it is rendered (a `tee`'s other
-//! branch, a `videorate` pushing it twice) is copied instead, so a later frame never overtakes
-//! it. With `drop-policy=block` (default) acquiring a buffer waits for an in-place block to
-//! come free; with `drop-oldest` it waits at most a moment, 1 ms (a live upstream is never held
-//! up by the link for longer; a source faster than the link gives the sending threads their
-//! turn): with no block free by then it gets an ordinary buffer, which is copied. The `blocks` are the
-//! filling thread's own (copied frames, caps, EOS): a committed frame waiting in a queue never
-//! holds a block the filling thread needs to get to it, and a lossless frame of several blocks
-//! is kept for resending as long as it needs fewer than `blocks`. A frame that does not fit
-//! one block (`block-size` minus 60 bytes of header and trailer) gets an ordinary buffer; any
-//! buffer not from the pool is copied: by `render` itself into an in-place block when one is
-//! free (it waits up to 2 ms for one with `drop-policy=block`, 1 ms with `drop-oldest`),
-//! otherwise by the filling thread
-//! into one of `blocks`. Over `transport=shm` a pooled buffer, and the block `render` copies
-//! into, is, whenever the sending thread has one on offer, a block of the receiver's memory
-//! itself: the frame is written once, where `rdmasrc` reads it, and the sender posts only its
-//! status byte. The `stats` structure counts `frames-in-place` (of which
-//! `frames-in-receiver-memory`) and `frames-copied` (of which `frames-copied-to-receiver`), and
-//! the element logs (info) which path the frames take whenever it changes. `enable-last-sample` defaults to false here: a kept last sample would
-//! hold its buffer, and so its block and the frame's commit, until the next frame.
+//! blocks, reserved from the `in-place-blocks` the core sender adds to `blocks` for them (default
+//! half as many; 0 turns the pool off): upstream writes each frame straight into memory the
+//! transport sends from, and `render` marks the buffer so its block is committed (header and seal
+//! written around the payload in place) as soon as the buffer is let go, right after `render`; a
+//! pooled buffer never rendered gives its block back. A pooled buffer that something else still
+//! holds when it is rendered (a `tee`'s other branch, a `videorate` pushing it twice) is copied
+//! instead, so a later frame never overtakes it. With `drop-policy=block` (default) acquiring a
+//! buffer waits for an in-place block to come free; with `drop-oldest` it waits at most a moment,
+//! 1 ms (a live upstream is never held up by the link for longer; a source faster than the link
+//! gives the sending threads their turn): with no block free by then it gets an ordinary buffer,
+//! which is copied. The `blocks` are the filling thread's own (copied frames, caps, EOS): a
+//! committed frame waiting in a queue never holds a block the filling thread needs to get to it,
+//! and a lossless frame of several blocks is kept for resending as long as it needs fewer than
+//! `blocks`. A frame that does not fit one block (`block-size` minus 60 bytes of header and
+//! trailer) gets an ordinary buffer; any buffer not from the pool is copied: by `render` itself
+//! into an in-place block when one is free (it waits up to 2 ms for one with `drop-policy=block`,
+//! 1 ms with `drop-oldest`), otherwise by the filling thread into one of `blocks`. Over
+//! `transport=shm` a pooled buffer, and the block `render` copies into, is, whenever the sending
+//! thread has one on offer, a block of the receiver's memory itself: the frame is written once,
+//! where `rdmasrc` reads it, and the sender posts only its status byte. The `stats` structure
+//! counts `frames-in-place` (of which `frames-in-receiver-memory`) and `frames-copied` (of which
+//! `frames-copied-to-receiver`), and the element logs (info) which path the frames take whenever it
+//! changes. `enable-last-sample` defaults to false here: a kept last sample would hold its buffer,
+//! and so its block and the frame's commit, until the next frame.
 //!
 //! All `rdmasink` elements of a process with the same `host`, `port`, `transport` and
 //! `sender-name` share one connection (one queue pair), each with its own `device-id`.

@@ -876,9 +876,10 @@ const TURNS_HERE: usize = 4;
 /// How long a `drop-oldest` device's frame waits for room before something gives way: a frame
 /// pushed into a full queue, before the oldest queued frame is dropped for it; an acquire from
 /// the GStreamer buffer pool of send blocks, before upstream gets a plain buffer (copied) instead
-/// of a block. Without it a source faster than the link never waited: it took the core the
-/// filling and sending threads needed to empty the queue, and frames went the long way (queued,
-/// copied) at a fraction of the rate. `rdmasink drop-policy=drop-oldest` under an unthrottled
+/// of a block; `rdmasink`'s reservation of a block to copy a buffer from elsewhere into, before
+/// it leaves the copy to the filling thread. Without it a source faster than the link never
+/// waited: it took the core the filling and sending threads needed to empty the queue, and
+/// frames went the long way (queued, copied) at a fraction of the rate. `rdmasink drop-policy=drop-oldest` under an unthrottled
 /// `videotestsrc`, the sending process on one core: 600–1250 frames/s at a p99 of 16–23 ms
 /// (README, "A moment's wait under drop-oldest"). A live source waits at most this per frame,
 /// a small part of any frame interval.
