@@ -12,7 +12,10 @@
 # two with each in turn. Prints per run the sender process's CPU seconds (GNU time, user +
 # sys), the pipeline's frames per second (from the sender's first log line to its last frame
 # taken; "-" for builds before 4bdaac8, which do not log that), how its frames went, and the
-# receiver's latency. A benchmark: it prints figures and asserts nothing.
+# receiver's latency. BENCH_PATTERN: videotestsrc's pattern (default ball, about 700 frames/s
+# drawn; smpte is drawn once and copied, ten times as fast, a source that outruns the link).
+# BENCH_PIN=1: the sender on core 0 and the receiver on core 1 (taskset), as on two hosts.
+# A benchmark: it prints figures and asserts nothing.
 #   scripts/bench-gst-pool.sh [rounds] [frames] [transport] [policy] [unthrottled|paced]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +48,7 @@ out = "$work/out"
 id = 1
 pipeline = "fakesink sync=false"
 EOF
-raw="videotestsrc is-live=$live pattern=ball num-buffers=$frames ! video/x-raw,format=RGB,width=640,height=480,framerate=25/1"
+raw="videotestsrc is-live=$live pattern=${BENCH_PATTERN:-ball} num-buffers=$frames ! video/x-raw,format=RGB,width=640,height=480,framerate=25/1"
 for variant in pool copied; do
   tail=""
   [[ $variant == copied ]] && tail="identity drop-allocation=true ! "
@@ -60,17 +63,21 @@ policy = "$policy"
 pipeline = "$raw ! $tail appsink sync=$sync"
 EOF
 done
+pin_tx=() pin_rx=()
+if [[ ${BENCH_PIN:-} == 1 ]]; then
+  pin_tx=(taskset -c 0) pin_rx=(taskset -c 1)
+fi
 for ((r = 1; r <= rounds; r++)); do
   for dir in "${dirs[@]}"; do
   for variant in pool copied; do
     rm -rf "$work/out" "$work/rx.sock"
-    "$dir/receiver" --config "$work/rx.toml" > "$work/rx.log" 2>&1 &
+    ${pin_rx[@]+"${pin_rx[@]}"} "$dir/receiver" --config "$work/rx.toml" > "$work/rx.log" 2>&1 &
     rx=$!
     for _ in $(seq 50); do
       grep -q "listening" "$work/rx.log" 2> /dev/null && break
       sleep 0.1
     done
-    /usr/bin/time -o "$work/time" -f "%U %S %e" "$dir/sender" \
+    /usr/bin/time -o "$work/time" -f "%U %S %e" ${pin_tx[@]+"${pin_tx[@]}"} "$dir/sender" \
       --config "$work/tx-$variant.toml" > "$work/tx.log" 2>&1 \
       || echo "sender failed: $(tail -3 "$work/tx.log")"
     sleep 0.5
