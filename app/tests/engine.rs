@@ -2443,40 +2443,6 @@ fn a_frame_pushed_into_a_full_drop_oldest_queue_waits_a_moment_before_one_is_dro
     drop(s);
 }
 
-/// A drop-oldest frame a source writes itself (`push_writing_here`) waits a moment
-/// (`DROP_OLDEST_PATIENCE`) for an in-place block before it is pushed for the filling thread to
-/// copy: a source faster than the link leaves the threads that free the blocks their turn.
-#[test]
-fn a_drop_oldest_frame_written_here_waits_a_moment_for_a_block() {
-    let fabric = MemFabric::new();
-    let opts = SenderOptions {
-        name: "write-moment".into(),
-        key: Some(key()),
-        send_blocks: 2,
-        in_place_blocks: 1,
-        block_size: 4096,
-        reconnect_min: Duration::from_millis(20),
-        reconnect_max: Duration::from_millis(50),
-        ..Default::default()
-    };
-    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 4).unwrap();
-    let input = s.add_device(1, DropPolicy::DropOldest);
-    // The one in-place block, held: none is free for the frame.
-    let held = input.reserve(100, Duration::from_secs(5)).unwrap();
-    let started = std::time::Instant::now();
-    assert!(input.push_writing_here(octets(0, vec![1; 100])));
-    let waited = started.elapsed();
-    let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
-    assert!(
-        waited >= moment,
-        "the frame waited {waited:?} for a block, not {moment:?}"
-    );
-    drop(held);
-    input.end();
-    drop(input);
-    drop(s);
-}
-
 /// A sender over shm with 4 send blocks of 4096 bytes, `in_place_blocks` of them in place (so it
 /// lends the receiver's blocks), and a receiver handing every frame to `sink` (a [`Hoard`] by
 /// default) on a fresh socket (`path`, inside `_dir`) with 8 blocks.

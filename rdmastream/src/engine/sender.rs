@@ -489,9 +489,8 @@ impl DeviceInput {
     /// renders is rendered here, one it hands over as bytes (a GStreamer sample) is copied here,
     /// straight into a reserved block, and committed; so over shm, whenever the sending thread
     /// has a receiver's block on offer, the frame is copied once, into the receiver's memory,
-    /// without a hand-over to the filling thread. When no block is free right now (a
-    /// `drop-oldest` device's frame waits [`DROP_OLDEST_PATIENCE`] for one first), or none are
-    /// set aside, or the frame needs more than one block, the frame is pushed; so is a frame of
+    /// without a hand-over to the filling thread. When no block is free right now (or none are
+    /// set aside, or the frame needs more than one block) the frame is pushed; so is a frame of
     /// bytes while earlier messages of the device still wait in its queue: a source that runs
     /// ahead of the sender keeps the filling thread copying beside it (copying here then, each
     /// commit queued behind the pushed frames, took 1.6× the CPU per MB at 1 MiB over shm).
@@ -502,12 +501,7 @@ impl DeviceInput {
         {
             return self.push(frame);
         }
-        // A drop-oldest frame waits its moment for a block, as it would for room in the queue.
-        let patience = match self.policy {
-            DropPolicy::DropOldest => DROP_OLDEST_PATIENCE,
-            DropPolicy::Block => Duration::ZERO,
-        };
-        match self.reserve(frame.data.len(), patience) {
+        match self.reserve(frame.data.len(), Duration::ZERO) {
             Ok(mut r) => {
                 frame.data.write(0, r.payload_mut());
                 r.commit(FrameMeta {
@@ -883,9 +877,7 @@ const TURNS_HERE: usize = 4;
 /// pushed into a full queue, before the oldest queued frame is dropped for it; an acquire from
 /// the GStreamer buffer pool of send blocks, before upstream gets a plain buffer (copied) instead
 /// of a block; `rdmasink`'s reservation of a block to copy a buffer from elsewhere into, before
-/// it leaves the copy to the filling thread; a source's own reservation in
-/// [`DeviceInput::push_writing_here`], before it pushes the frame for the filling thread to copy.
-/// Without it a source faster than the link never
+/// it leaves the copy to the filling thread. Without it a source faster than the link never
 /// waited: it took the core the filling and sending threads needed to empty the queue, and
 /// frames went the long way (queued, copied) at a fraction of the rate. `rdmasink drop-policy=drop-oldest` under an unthrottled
 /// `videotestsrc`, the sending process on one core: 600–1250 frames/s at a p99 of 16–23 ms
