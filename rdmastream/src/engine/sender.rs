@@ -879,10 +879,13 @@ const TURNS_HERE: usize = 4;
 /// of a block; `rdmasink`'s reservation of a block to copy a buffer from elsewhere into, before
 /// it leaves the copy to the filling thread. Without it a source faster than the link never
 /// waited: it took the core the filling and sending threads needed to empty the queue, and
-/// frames went the long way (queued, copied) at a fraction of the rate. `rdmasink drop-policy=drop-oldest` under an unthrottled
-/// `videotestsrc`, the sending process on one core: 600–1250 frames/s at a p99 of 16–23 ms
-/// (README, "A moment's wait under drop-oldest"). A live source waits at most this per frame,
-/// a small part of any frame interval.
+/// frames went the long way (queued, copied) at a fraction of the rate: `rdmasink
+/// drop-policy=drop-oldest` under an unthrottled `videotestsrc`, the sending process on one
+/// core, moved 600–1250 frames/s at a p99 of 16–23 ms (README, "A moment's wait under
+/// drop-oldest"). A live source waits at most this per frame, a small part of any frame
+/// interval. Not in [`DeviceInput::push_writing_here`], whose frame goes to the filling thread
+/// at once when no block is free: 12 synthetic cameras falling due together waited there, and
+/// `bench cameras-shm`'s p50 rose from 0.35–0.48 to up to 1.02 ms.
 pub const DROP_OLDEST_PATIENCE: Duration = Duration::from_millis(1);
 
 /// How long a lossy device's reservation waits for a lent receiver's block while the sending
