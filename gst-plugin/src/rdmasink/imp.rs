@@ -1102,8 +1102,8 @@ impl BaseSinkImpl for RdmaSink {
                 BlockPool::new(lease, wait, check, warn)
             });
             // At most the sender's in-place blocks out at once (lent blocks of the receiver's
-            // memory come on top over shm, but not always), or no limit for a pool that never
-            // waits: `BlockPool::max_buffers`.
+            // memory come on top over shm, but not always), or no limit for a pool that waits
+            // only a moment (past its blocks it hands out plain buffers): `BlockPool::max_buffers`.
             query.add_allocation_pool(Some(pool), 0, 0, pool.max_buffers());
             gst::debug!(CAT, imp = self, "proposing the send-block pool");
         }
