@@ -2443,6 +2443,112 @@ fn a_frame_pushed_into_a_full_drop_oldest_queue_waits_a_moment_before_one_is_dro
     drop(s);
 }
 
+/// Frame `index` of 100 bytes of `byte`, captured at `ts` (ns).
+fn stamped(index: u64, ts: u64, byte: u8) -> rdmastream::engine::SourceFrame {
+    rdmastream::engine::SourceFrame {
+        timestamp_ns: ts,
+        ..octets(index, vec![byte; 100])
+    }
+}
+
+/// A sender with 3 send blocks of 4096 bytes, one of them in place (so the filling thread has
+/// two: a device's format and its first frame), and a two-deep queue, on `connector`.
+fn one_in_place(name: &str, connector: Box<dyn Connector>) -> SenderHandle {
+    let opts = SenderOptions {
+        name: name.into(),
+        key: Some(key()),
+        send_blocks: 3,
+        in_place_blocks: 1,
+        block_size: 4096,
+        reconnect_min: Duration::from_millis(20),
+        reconnect_max: Duration::from_millis(50),
+        ..Default::default()
+    };
+    SenderHandle::start(opts, connector, 2).unwrap()
+}
+
+/// A drop-oldest frame a source writes itself (`push_writing_here`) while the device's previous
+/// frame is still on its way (the link is behind this source) waits a moment
+/// (`DROP_OLDEST_PATIENCE`) for a block before it is pushed for the filling thread to copy: a
+/// source faster than the link leaves the threads that free blocks their turn.
+#[test]
+fn a_drop_oldest_frame_written_here_waits_a_moment_while_its_previous_frame_is_on_its_way() {
+    let fabric = MemFabric::new();
+    // No receiver: nothing is ever written, so device 1's first frame stays on its way.
+    let s = one_in_place("behind", Box::new(fabric.connector("rx")));
+    let input = s.add_device(1, DropPolicy::DropOldest);
+    let other = s.add_device(2, DropPolicy::DropOldest);
+    // The one in-place block, held by another device: none is free for device 1's frames.
+    let held = other.reserve(100, Duration::from_secs(5)).unwrap();
+    let started = std::time::Instant::now();
+    assert!(input.push_writing_here(stamped(0, 10, 1)));
+    let first = started.elapsed();
+    // The filling thread copies it (after the device's format) into its blocks, so nothing of
+    // device 1 waits in its queue, and hands them to the sending thread, which has no
+    // connection.
+    std::thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    assert!(input.push_writing_here(stamped(1, 20, 2)));
+    let waited = started.elapsed();
+    let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
+    assert!(
+        waited >= moment,
+        "the frame waited {waited:?} for a block, not {moment:?} (the first, with nothing \
+         before it, {first:?})"
+    );
+    drop(held);
+    input.end();
+    other.end();
+    drop((input, other));
+    drop(s);
+}
+
+/// When the device's previous frame is through and the blocks are busy with another device's
+/// frames (cameras falling due together), a drop-oldest frame written here does not wait for a
+/// block: it is pushed at once, for the filling thread. Timed, so a stalled attempt is tried
+/// again (up to five times); a frame that waited its moment every time fails.
+#[test]
+fn a_drop_oldest_frame_written_here_is_pushed_at_once_when_its_previous_frame_is_through() {
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(4, 4096, vec![]));
+    let (sink, receiver) = hoarding(Box::new(listener));
+    let s = one_in_place("through", Box::new(fabric.connector("rx")));
+    let input = s.add_device(1, DropPolicy::DropOldest);
+    let other = s.add_device(2, DropPolicy::DropOldest);
+    let counters = s.counters().device(&1);
+    let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
+    let through = |n: u64| {
+        assert!(
+            wait_until(Duration::from_secs(10), || get(&counters.frames) == n),
+            "frame {n} of device 1 never got through"
+        );
+    };
+    assert!(input.push_writing_here(stamped(0, 10, 0)));
+    through(1);
+    // The one in-place block, held by another device from here on.
+    let held = other.reserve(100, Duration::from_secs(5)).unwrap();
+    let mut waits = Vec::new();
+    for i in 1..=5u64 {
+        let started = std::time::Instant::now();
+        assert!(input.push_writing_here(stamped(i, 10 + 10 * i, i as u8)));
+        waits.push(started.elapsed());
+        through(i + 1);
+        if waits[waits.len() - 1] < moment {
+            break;
+        }
+    }
+    assert!(
+        waits.iter().any(|w| *w < moment),
+        "every frame waited for a block although its previous frame was through: {waits:?}"
+    );
+    drop(held);
+    input.end();
+    other.end();
+    s.finish(Duration::from_secs(10)).unwrap();
+    receiver.stop();
+    assert_eq!(sink.0.lock().unwrap().len(), waits.len() + 1);
+}
+
 /// A sender over shm with 4 send blocks of 4096 bytes, `in_place_blocks` of them in place (so it
 /// lends the receiver's blocks), and a receiver handing every frame to `sink` (a [`Hoard`] by
 /// default) on a fresh socket (`path`, inside `_dir`) with 8 blocks.

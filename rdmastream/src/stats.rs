@@ -140,6 +140,10 @@ pub struct DeviceCounters {
     pub unwritten: AtomicU64,
     /// Set when the device is lossless (`block`).
     pub reliable: AtomicU64,
+    /// Sender: the newest capture timestamp (`timestamp_ns`) among the frames fully written or
+    /// dropped, for a device input to tell whether its previous frame is through (the link
+    /// keeps up with this device) or still on its way.
+    pub done_ts: AtomicU64,
     latency: Mutex<Histogram>,
     /// Frames handed on or dropped so far, for [`DeviceCounters::wait_progress`], and when
     /// frames were handed on.
@@ -203,6 +207,11 @@ impl DeviceCounters {
     }
 
     /// Records a dropped frame.
+    /// Sender: a frame captured at `ts` is fully written or dropped (see `done_ts`).
+    pub fn done_at(&self, ts: u64) {
+        self.done_ts.fetch_max(ts, Ordering::Release);
+    }
+
     pub fn dropped(&self) {
         self.drops.fetch_add(1, Ordering::Relaxed);
         self.note_progress();

@@ -411,6 +411,9 @@ struct QueueState {
     /// ahead of it (delivered out of order: 1 run in 40–100 of
     /// `reserved_frames_over_shm_are_written_into_the_receivers_blocks` beside CPU hogs).
     unplanned: AtomicUsize,
+    /// The capture timestamp of the frame handed in last through
+    /// [`DeviceInput::push_writing_here`] (0 before the first).
+    last_ts: AtomicU64,
 }
 
 impl QueueState {
@@ -494,14 +497,26 @@ impl DeviceInput {
     /// bytes while earlier messages of the device still wait in its queue: a source that runs
     /// ahead of the sender keeps the filling thread copying beside it (copying here then, each
     /// commit queued behind the pushed frames, took 1.6× the CPU per MB at 1 MiB over shm).
-    /// Returns false once the sender has shut down.
+    ///
+    /// A `drop-oldest` device's frame that comes while the device's previous frame is still on
+    /// its way (neither fully written nor dropped: the link is behind this source) waits up to
+    /// [`DROP_OLDEST_PATIENCE`] for a block before it is pushed, so a source faster than the link
+    /// leaves the threads that free blocks their turn instead of filling the queue. When the
+    /// previous frame is through and the blocks are busy with other devices' frames (cameras
+    /// falling due together), the frame is pushed at once, as a `block` device's is. Returns
+    /// false once the sender has shut down.
     pub fn push_writing_here(&self, frame: SourceFrame) -> bool {
+        let behind = self.behind(frame.timestamp_ns);
         if matches!(frame.data, FrameData::Bytes(_))
             && self.queue.unplanned.load(Ordering::Acquire) != 0
         {
             return self.push(frame);
         }
-        match self.reserve(frame.data.len(), Duration::ZERO) {
+        let patience = match self.policy {
+            DropPolicy::DropOldest if behind => DROP_OLDEST_PATIENCE,
+            _ => Duration::ZERO,
+        };
+        match self.reserve(frame.data.len(), patience) {
             Ok(mut r) => {
                 frame.data.write(0, r.payload_mut());
                 r.commit(FrameMeta {
@@ -515,6 +530,17 @@ impl DeviceInput {
             Err(NotReserved::Stopped) => false,
             Err(_) => self.push(frame),
         }
+    }
+
+    /// Notes `ts` as the capture timestamp of the frame handed in last, and says whether the
+    /// one handed in before it (at an earlier timestamp) is still on its way: no frame of this
+    /// device captured at or after it is fully written or dropped yet (`done_ts`). A frame lost
+    /// without being counted (a connection that went) holds this for one frame at most: the
+    /// next one through moves `done_ts` past it. Frames with equal timestamps count as through
+    /// together; a source that gives none (0) is never behind.
+    fn behind(&self, ts: u64) -> bool {
+        let previous = self.queue.last_ts.swap(ts, Ordering::AcqRel);
+        previous != 0 && self.counters.done_ts.load(Ordering::Acquire) < previous
     }
 
     /// Takes a free in-place send block ([`SenderOptions::in_place_blocks`]) for a frame of
@@ -716,8 +742,12 @@ impl DeviceInput {
         }
         match dropped {
             // Only frames are ever queued before End, so this drops a frame.
-            Ok(Msg::Frame(_)) => self.counters.dropped(),
+            Ok(Msg::Frame(f)) => {
+                self.counters.done_at(f.timestamp_ns);
+                self.counters.dropped();
+            }
             Ok(Msg::Reserved(c)) => {
+                self.counters.done_at(c.meta.timestamp_ns);
                 match c.lent {
                     Some(b) => self.lent.offer(b),
                     None => {
@@ -883,9 +913,10 @@ const TURNS_HERE: usize = 4;
 /// drop-policy=drop-oldest` under an unthrottled `videotestsrc`, the sending process on one
 /// core, moved 600–1250 frames/s at a p99 of 16–23 ms (README, "A moment's wait under
 /// drop-oldest"). A live source waits at most this per frame, a small part of any frame
-/// interval. Not in [`DeviceInput::push_writing_here`], whose frame goes to the filling thread
-/// at once when no block is free: 12 synthetic cameras falling due together waited there, and
-/// `bench cameras-shm`'s p50 rose from 0.35–0.48 to up to 1.02 ms.
+/// interval. In [`DeviceInput::push_writing_here`] (a frame the source renders or copies itself)
+/// only while the device's previous frame is still on its way: waiting there whenever no block
+/// was free also held up 12 synthetic cameras falling due together, each with its previous frame
+/// long through, and `bench cameras-shm`'s p50 rose from 0.35–0.48 to up to 1.02 ms.
 pub const DROP_OLDEST_PATIENCE: Duration = Duration::from_millis(1);
 
 /// How long a lossy device's reservation waits for a lent receiver's block while the sending
@@ -1876,6 +1907,9 @@ impl Sending {
                 continue;
             };
             let counters = self.counters.device(&device);
+            if let Some((_, ts)) = frame_end {
+                counters.done_at(ts);
+            }
             match frame_end {
                 Some((bytes, ts)) if delivered => {
                     let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
@@ -1921,11 +1955,15 @@ impl Sending {
         }) = self.meta[i].take()
         {
             let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
-            self.counters.device(&device).frame(bytes, Some(latency));
+            let counters = self.counters.device(&device);
+            counters.done_at(ts);
+            counters.frame(bytes, Some(latency));
         }
         for (device, bytes, ts) in std::mem::take(&mut self.coalesced[i]) {
             let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
-            self.counters.device(&device).frame(bytes, Some(latency));
+            let counters = self.counters.device(&device);
+            counters.done_at(ts);
+            counters.frame(bytes, Some(latency));
         }
         self.free.release(i);
     }
