@@ -1252,6 +1252,86 @@ fn a_drop_oldest_sinks_pool_makes_upstream_wait_only_a_moment() {
     caps_until_eos(&mut rx);
 }
 
+/// Under `drop-policy=drop-oldest` a buffer from elsewhere waits its moment
+/// (`DROP_OLDEST_PATIENCE`) for an in-place block to copy into only while this sink's earlier
+/// frames are still on their way (the link is behind this stream). No receiver here: the first
+/// copy, with nothing before it, does not wait for the block upstream holds; the second, with
+/// the first still in flight, does.
+#[test]
+fn a_drop_oldest_copy_waits_its_moment_while_earlier_frames_are_in_flight() {
+    init();
+    let port = free_port(); // nothing listens here
+    let e = sink_element(port, 14, &[("in-place-blocks", 1i32.to_value())]);
+    e.set_property_from_str("drop-policy", "drop-oldest");
+    let mut tx = sink_harness(&e, GRAY);
+    let pool = proposed_pool(&tx);
+    // The only in-place block, held upstream.
+    let held = pooled(&pool, 9);
+    let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
+    tx.push(buffer(vec![1; 8], 0, 100)).unwrap();
+    wait_for("the first frame in flight", || {
+        stats(&e).get::<u64>("in-flight").unwrap_or(0) == 1
+    });
+    let started = std::time::Instant::now();
+    tx.push(buffer(vec![2; 8], 100, 100)).unwrap();
+    let waited = started.elapsed();
+    assert!(
+        waited >= moment,
+        "the second copy waited {waited:?} for a block, not {moment:?}, with the first in flight"
+    );
+    drop(held);
+    within_deadline("stopping the sink", move || {
+        pool.set_active(false).unwrap();
+        drop(tx);
+    });
+}
+
+/// With every earlier frame of this sink through, a `drop-oldest` buffer from elsewhere that
+/// finds no in-place block free (the blocks busy elsewhere: here upstream holds the only one)
+/// does not wait for one: the filling thread copies it at once, and the frames arrive in order.
+/// Timed, so a stalled attempt is tried again (up to five times); a copy that waited its moment
+/// every time fails.
+#[test]
+fn a_drop_oldest_copy_with_its_earlier_frames_through_does_not_wait_for_a_block() {
+    init();
+    let port = free_port();
+    let mut rx = src(port, 15, &[]);
+    let e = sink_element(port, 15, &[("in-place-blocks", 1i32.to_value())]);
+    e.set_property_from_str("drop-policy", "drop-oldest");
+    let mut tx = sink_harness(&e, GRAY);
+    let pool = proposed_pool(&tx);
+    let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
+    let through = |e: &gst::Element| {
+        wait_for("every frame through", || {
+            stats(e).get::<u64>("in-flight").unwrap_or(1) == 0
+        })
+    };
+    // The first frame (it carries the caps) goes while the block is free.
+    tx.push(buffer(vec![0; 8], 0, 100)).unwrap();
+    assert_eq!(bytes(&rx.pull().unwrap()), vec![0; 8]);
+    through(&e);
+    let held = pooled(&pool, 9);
+    let mut waits = Vec::new();
+    for i in 1..=5u8 {
+        let started = std::time::Instant::now();
+        tx.push(buffer(vec![i; 8], 100 * i as u64, 100)).unwrap();
+        waits.push(started.elapsed());
+        assert_eq!(bytes(&rx.pull().unwrap()), vec![i; 8], "frame {i}");
+        through(&e);
+        if waits[waits.len() - 1] < moment {
+            break;
+        }
+    }
+    assert!(
+        waits.iter().any(|w| *w < moment),
+        "every copy waited for a block although the earlier frames were through: {waits:?}"
+    );
+    drop(held);
+    pool.set_active(false).unwrap();
+    assert!(tx.push_event(gst::event::Eos::new()));
+    caps_until_eos(&mut rx);
+}
+
 /// The pool says how many buffers it can have out at once (the sender's in-place blocks) and
 /// refuses a configuration that wants more at once: upstream that queues its minimum before
 /// it lets any go (`v4l2src io-mode=userptr`) would otherwise wait for ever on the last one.

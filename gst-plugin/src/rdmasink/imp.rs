@@ -442,10 +442,13 @@ impl RdmaSink {
     /// has one on offer (the frame's only copy, as shmsink's), otherwise into a free in-place
     /// send block. With `drop-policy=block` it waits for one up to [`COPY_PATIENCE`] (over shm
     /// the reservation's own wait for a receiver's block is part of it), with `drop-oldest` a
-    /// moment (`DROP_OLDEST_PATIENCE`): a source faster than the link that never waited here
-    /// kept its core while the frames went the long way, queued and copied twice. False when
-    /// it got none (no in-place blocks, a frame larger than one block, all in use): the caller
-    /// pushes the buffer and the filling thread copies it, as before.
+    /// moment (`DROP_OLDEST_PATIENCE`) while this device's earlier frames are still on their
+    /// way (`DeviceLease::in_flight`): a source faster than the link that never waited here
+    /// kept its core while the frames went the long way, queued and copied twice. With them
+    /// all through, the blocks are busy with other sinks' frames on the shared connection
+    /// (cameras falling due together), and a drop-oldest frame does not wait. False when it got
+    /// none (no in-place blocks, a frame larger than one block, all in use): the caller pushes
+    /// the buffer and the filling thread copies it, as before.
     fn render_copied_here(
         &self,
         buffer: &gst::Buffer,
@@ -453,10 +456,10 @@ impl RdmaSink {
         policy: DropPolicyProperty,
         times: Times,
     ) -> Result<bool, gst::FlowError> {
-        let timeout = if policy == DropPolicyProperty::Block {
-            COPY_PATIENCE
-        } else {
-            rdmastream::engine::sender::DROP_OLDEST_PATIENCE
+        let timeout = match policy {
+            DropPolicyProperty::Block => COPY_PATIENCE,
+            _ if lease.in_flight() > 0 => rdmastream::engine::sender::DROP_OLDEST_PATIENCE,
+            _ => Duration::ZERO,
         };
         let mut r = match lease.reserve(buffer.size(), timeout) {
             Ok(r) => r,
