@@ -206,12 +206,12 @@ impl DeviceCounters {
         self.progressed.notify_all();
     }
 
-    /// Records a dropped frame.
     /// Sender: a frame captured at `ts` is fully written or dropped (see `done_ts`).
     pub fn done_at(&self, ts: u64) {
         self.done_ts.fetch_max(ts, Ordering::Release);
     }
 
+    /// Records a dropped frame.
     pub fn dropped(&self) {
         self.drops.fetch_add(1, Ordering::Relaxed);
         self.note_progress();
