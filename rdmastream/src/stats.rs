@@ -206,9 +206,18 @@ impl DeviceCounters {
         self.progressed.notify_all();
     }
 
-    /// Sender: a frame captured at `ts` is fully written or dropped (see `done_ts`).
-    pub fn done_at(&self, ts: u64) {
+    /// Sender: a frame of `bytes` captured at `ts` (ns since the UNIX epoch) is fully written:
+    /// counts it with its latency capture → written, and moves `done_ts`.
+    pub fn written_at(&self, bytes: usize, ts: u64) {
         self.done_ts.fetch_max(ts, Ordering::Release);
+        let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
+        self.frame(bytes, Some(latency));
+    }
+
+    /// Sender: a frame captured at `ts` is dropped: counts it and moves `done_ts`.
+    pub fn dropped_at(&self, ts: u64) {
+        self.done_ts.fetch_max(ts, Ordering::Release);
+        self.dropped();
     }
 
     /// Records a dropped frame.

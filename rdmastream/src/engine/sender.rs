@@ -742,19 +742,15 @@ impl DeviceInput {
         }
         match dropped {
             // Only frames are ever queued before End, so this drops a frame.
-            Ok(Msg::Frame(f)) => {
-                self.counters.done_at(f.timestamp_ns);
-                self.counters.dropped();
-            }
+            Ok(Msg::Frame(f)) => self.counters.dropped_at(f.timestamp_ns),
             Ok(Msg::Reserved(c)) => {
-                self.counters.done_at(c.meta.timestamp_ns);
                 match c.lent {
                     Some(b) => self.lent.offer(b),
                     None => {
                         let _ = self.free_tx.send(c.block);
                     }
                 }
-                self.counters.dropped();
+                self.counters.dropped_at(c.meta.timestamp_ns);
             }
             Ok(Msg::End) | Err(_) => {}
         }
@@ -1907,15 +1903,9 @@ impl Sending {
                 continue;
             };
             let counters = self.counters.device(&device);
-            if let Some((_, ts)) = frame_end {
-                counters.done_at(ts);
-            }
             match frame_end {
-                Some((bytes, ts)) if delivered => {
-                    let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
-                    counters.frame(bytes, Some(latency));
-                }
-                Some(_) => counters.dropped(),
+                Some((bytes, ts)) if delivered => counters.written_at(bytes, ts),
+                Some((_, ts)) => counters.dropped_at(ts),
                 None => {}
             }
         }
@@ -1954,16 +1944,10 @@ impl Sending {
             ..
         }) = self.meta[i].take()
         {
-            let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
-            let counters = self.counters.device(&device);
-            counters.done_at(ts);
-            counters.frame(bytes, Some(latency));
+            self.counters.device(&device).written_at(bytes, ts);
         }
         for (device, bytes, ts) in std::mem::take(&mut self.coalesced[i]) {
-            let latency = Duration::from_nanos(unix_now_ns().saturating_sub(ts));
-            let counters = self.counters.device(&device);
-            counters.done_at(ts);
-            counters.frame(bytes, Some(latency));
+            self.counters.device(&device).written_at(bytes, ts);
         }
         self.free.release(i);
     }
