@@ -411,7 +411,7 @@ struct QueueState {
     /// ahead of it (delivered out of order: 1 run in 40–100 of
     /// `reserved_frames_over_shm_are_written_into_the_receivers_blocks` beside CPU hogs).
     unplanned: AtomicUsize,
-    /// The capture timestamp of the frame handed in last through
+    /// The capture timestamp of the frame a `drop-oldest` device handed in last through
     /// [`DeviceInput::push_writing_here`] (0 before the first).
     last_ts: AtomicU64,
 }
@@ -506,15 +506,17 @@ impl DeviceInput {
     /// falling due together), the frame is pushed at once, as a `block` device's is. Returns
     /// false once the sender has shut down.
     pub fn push_writing_here(&self, frame: SourceFrame) -> bool {
-        let behind = self.behind(frame.timestamp_ns);
+        // Only a drop-oldest device asks (and keeps `last_ts`).
+        let behind = self.policy == DropPolicy::DropOldest && self.behind(frame.timestamp_ns);
         if matches!(frame.data, FrameData::Bytes(_))
             && self.queue.unplanned.load(Ordering::Acquire) != 0
         {
             return self.push(frame);
         }
-        let patience = match self.policy {
-            DropPolicy::DropOldest if behind => DROP_OLDEST_PATIENCE,
-            _ => Duration::ZERO,
+        let patience = if behind {
+            DROP_OLDEST_PATIENCE
+        } else {
+            Duration::ZERO
         };
         match self.reserve(frame.data.len(), patience) {
             Ok(mut r) => {
