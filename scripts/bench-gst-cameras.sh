@@ -8,7 +8,8 @@
 # buffers do, so `render` copies it; BENCH_POOL=1 lets upstream draw into rdmasink's pool.
 # FRAMES frames per camera, over TRANSPORT (shm or tcp), the sinks' POLICY (drop-oldest or
 # block), ROUNDS rounds. BENCH_PLUGIN_DIRS: directories each holding a libgstrdma.so (e.g. an
-# older build's), run in turn per round (default: this tree's, target/release). Prints per run
+# older build's), run in turn per round (default: this tree's, target/release); the receiver is
+# BENCH_RECEIVER (default target/release/receiver, the same for every build). Prints per run
 # the sender's CPU seconds (GNU time, user + sys), the frames the receiver took and its latency
 # capture -> delivered over all devices. A benchmark: it prints figures and asserts nothing.
 #   scripts/bench-gst-cameras.sh [rounds] [frames] [transport] [policy]
