@@ -478,6 +478,17 @@ fn bad_config_names_file_key_and_reason() {
             "name = \"a\"\nreceiver = \"x:1\"\n[[device]]\nid = 4\nsource = \"camera-synthetic\"\nstart = \"soon\"\n",
             "`device[0].start`",
         ),
+        // `name` and `receiver` may come from the flags instead; without either, the key.
+        (
+            "sender",
+            "receiver = \"x:1\"\n[[device]]\nid = 0\nsource = \"radar-synthetic\"\n",
+            "`name`: missing",
+        ),
+        (
+            "sender",
+            "name = \"a\"\n[[device]]\nid = 0\nsource = \"radar-synthetic\"\n",
+            "`receiver`: missing",
+        ),
         // A source that cannot be built is bad input too (exit 2), naming the device.
         (
             "sender",
@@ -523,6 +534,26 @@ fn bad_config_names_file_key_and_reason() {
             "{flags:?}: {err:?} should blame {flag}, not the file"
         );
     }
+    // A file that leaves `name` and `receiver` to the flags: the sender runs with them (it
+    // tries the receiver, which is not there, and says so naming the flag's address).
+    let devices_only = write(
+        tmp.path(),
+        "devices-only.toml",
+        "shutdown_grace = 0.2\n[[device]]\nid = 0\nsource = \"radar-synthetic\"\n",
+    );
+    let port = free_port();
+    let peer = format!("127.0.0.1:{port}");
+    let out = std::process::Command::new(bin("sender"))
+        .args(["--config", devices_only.to_str().unwrap()])
+        .args(["--name", "edge-9", "--receiver", &peer, "--duration", "0.5"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("cannot connect to receiver {peer}")) && !err.contains("missing"),
+        "{err}"
+    );
     // A receiver address that can never work is refused at start, not retried forever.
     for (addr, why) in [("nohost:99999", "port"), ("10.0.0.2", "no port")] {
         let out = std::process::Command::new(bin("sender"))

@@ -14,7 +14,11 @@ use rdmastream::engine::DropPolicy;
 #[derive(Deserialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct SenderConfig {
+    /// Required, from the file or `--name` (empty: not given; `validate` says so).
+    #[serde(default)]
     pub name: String,
+    /// Required, from the file or `--receiver` (empty: not given; `validate` says so).
+    #[serde(default)]
     pub receiver: String,
     #[serde(default = "d_transport")]
     pub transport: String,
@@ -206,6 +210,23 @@ impl SenderConfig {
 
 fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError> {
     let err = |key: &str, reason: String| ConfigError::new(file, key, reason);
+    // Not required by the parser: a file may leave them to `--name` and `--receiver`.
+    if cfg.name.is_empty() {
+        return Err(err(
+            "name",
+            "missing: this sender's name, as the receiver knows it (name = \"edge-1\" in the \
+             file, or --name edge-1)"
+                .into(),
+        ));
+    }
+    if cfg.receiver.is_empty() {
+        return Err(err(
+            "receiver",
+            "missing: the receiver's host:port, or unix:/path on this host (receiver = \
+             \"10.0.0.2:7471\" in the file, or --receiver 10.0.0.2:7471)"
+                .into(),
+        ));
+    }
     if !rdmastream::proto::handshake::valid_sender_name(&cfg.name) {
         return Err(err(
             "name",
@@ -461,6 +482,22 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    /// A file may leave `name` and `receiver` to `--name` and `--receiver`: it parses, and
+    /// only validation (after the flags were applied) asks for them, by key.
+    #[test]
+    fn name_and_receiver_may_come_from_the_flags() {
+        let file = Path::new("s.toml");
+        let text = "[[device]]\nid = 1\nsource = \"radar-synthetic\"\n";
+        let mut cfg = SenderConfig::parse(text, file).unwrap();
+        let e = cfg.validate(file).err().unwrap().to_string();
+        assert!(e.contains("s.toml") && e.contains("`name`: missing"), "{e}");
+        cfg.name = "edge-1".into();
+        let e = cfg.validate(file).err().unwrap().to_string();
+        assert!(e.contains("`receiver`: missing"), "{e}");
+        cfg.receiver = "127.0.0.1:7471".into();
+        assert_eq!(cfg.validate(file).unwrap().len(), 1);
     }
 
     fn devices(entry: &str) -> Result<Vec<Device>, ConfigError> {
