@@ -95,10 +95,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         gid_index: cfg.gid_index,
     };
     let (kind, listener) = rdmastream_verbs::listener(&cfg.transport, &cfg.listen, region, &verbs)?;
-    let files = Arc::new(
-        DirectorySink::new(sink_opts)
-            .with_context(|| format!("output directory {}", cfg.out.display()))?,
-    );
+    let files =
+        Arc::new(DirectorySink::new(sink_opts).context("the output directory (`out`, --out)")?);
     let sink = files.clone();
     // Devices with a `pipeline` go to GStreamer (rdmastream_app::gst::LaunchSinks), the rest to files.
     let sink: Arc<dyn rdmastream::engine::FrameSink> = if pipelines.is_empty() {

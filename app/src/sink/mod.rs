@@ -93,7 +93,14 @@ pub struct DirectorySink {
 impl DirectorySink {
     /// Creates `out` and starts the writer threads.
     pub fn new(opts: DirectorySinkOptions) -> Result<DirectorySink> {
-        std::fs::create_dir_all(&opts.out).map_err(|e| Error::io(&opts.out, e))?;
+        std::fs::create_dir_all(&opts.out).map_err(|e| {
+            // `create_dir_all` on a file says only "File exists".
+            if opts.out.exists() && !opts.out.is_dir() {
+                let why = std::io::Error::other("exists and is not a directory");
+                return Error::io(&opts.out, why);
+            }
+            Error::io(&opts.out, e)
+        })?;
         let ledger = Arc::new(Mutex::new(Ledger::scan(&opts.out, opts.disk_budget)));
         let opts = Arc::new(opts);
         let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -468,6 +475,33 @@ mod tests {
             disk_budget: None,
         })
         .unwrap()
+    }
+
+    /// An output path that is a file is named as such, not as "File exists".
+    #[test]
+    fn an_output_path_that_is_a_file_is_refused_as_not_a_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("frames");
+        std::fs::write(&file, b"x").unwrap();
+        let e = DirectorySink::new(DirectorySinkOptions {
+            out: file.clone(),
+            default: DeviceOutput {
+                format: FileFormat::Raw,
+                keep: None,
+            },
+            devices: HashMap::new(),
+            verify: false,
+            writers: 1,
+            queue: 4,
+            disk_budget: None,
+        })
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains(&file.display().to_string()) && e.contains("not a directory"),
+            "{e}"
+        );
     }
 
     fn feed(s: &DirectorySink, key: &StreamKey, counters: &Arc<DeviceCounters>, frames: u64) {
