@@ -3,7 +3,7 @@
 pipeline, `PREFIX.<pid>`, each line "arrival_ns latency_ns") and prints, per file, the p99
 latency, the milliseconds in which the median frame took over 120 µs ("slow"), and the spells:
 runs of slow milliseconds (gaps of up to 2 ms joined), as (start ms, length ms), longest first.
-Only unthrottled pipelines (10000 frames or more) are looked at. A spell of 8 ms or more is the sender off the receiver's blocks after a stall (README, "Back to
+Only unthrottled pipelines (10000 frames or more) are looked at. A spell of 8 ms or more is the sender off the receiver's blocks after a stall (docs/benchmarks.md, "Back to
 the receiver's blocks after a stall"); the machine's own stalls show as spells of 1-6 ms.
     scripts/trace-spells.py /tmp/t.*
 """

@@ -2401,7 +2401,7 @@ fn a_dropped_committed_frame_gives_its_in_place_block_back() {
 /// A frame pushed into a drop-oldest device's full queue waits a moment for room
 /// (`DROP_OLDEST_PATIENCE`) before the oldest queued frame is dropped for it: a source faster
 /// than the link leaves the threads that empty the queue their turn instead of taking their
-/// core (README, "A moment's wait under drop-oldest").
+/// core (docs/benchmarks.md, "A moment's wait under drop-oldest").
 #[test]
 fn a_frame_pushed_into_a_full_drop_oldest_queue_waits_a_moment_before_one_is_dropped() {
     let fabric = MemFabric::new();
@@ -2734,7 +2734,7 @@ impl rdmastream::engine::FrameSink for GatedHoard {
 /// wait for the receiver's free ones, a lossy device's reservation waits a moment
 /// (`LENT_PATIENCE`) for one before it takes a send block of its own, which would be copied and
 /// queued behind the others (a stream that had fallen behind once stayed on send blocks for
-/// 10–40 ms, README "Back to the receiver's blocks after a stall"); with a zero timeout it takes
+/// 10–40 ms, docs/benchmarks.md, "Back to the receiver's blocks after a stall"); with a zero timeout it takes
 /// the send block at once. Once the receiver catches up, reservations get receiver's blocks
 /// again, and every frame arrives in order, bit-exact.
 #[test]

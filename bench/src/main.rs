@@ -829,7 +829,7 @@ fn touch_read(b: &[u8]) -> u64 {
 /// `BENCH_PIN=1`: the two threads that copy, in plain TCP and in the engine over tcp (the
 /// sending thread and the NIC thread), each kept on a core of its own (0 and 1) for the
 /// measurement, so both run as they would with sender and receiver on separate cores or hosts,
-/// where the scheduler cannot put them on one core (README, Benchmarks, "Where the threads run").
+/// where the scheduler cannot put them on one core (docs/benchmarks.md, "Where the threads run").
 fn pinning() -> bool {
     std::env::var("BENCH_PIN").is_ok_and(|v| v == "1")
 }
@@ -921,8 +921,8 @@ const REGION_BYTES: usize = rdmastream_app::config::TCP_REGION_BYTES;
 /// through), between two plain TCP copies of one buffer, round after round; each rate ÷ the
 /// mean of its round's two plain TCP rates, and the engine's ÷ the 16 buffers' too. A region
 /// smaller than what the loopback holds in flight leaves the sender waiting for syncs to find a
-/// block free (README, Benchmarks, "At 64 KiB, the region's size"); 16 buffers of 1 MiB and
-/// more do not stay in cache (README, "What one buffer saves plain TCP").
+/// block free (docs/benchmarks.md, "At 64 KiB, the region's size"); 16 buffers of 1 MiB and
+/// more do not stay in cache (docs/benchmarks.md, "What one buffer saves plain TCP").
 fn region_tcp(block: usize, rounds: usize, secs: f64) {
     if block < 1024 || rounds == 0 {
         eprintln!("bench region-tcp: --block must be 1024 bytes or more and --rounds at least 1");

@@ -189,7 +189,7 @@ fn file_format(file: &Path, key: &str, s: &str) -> Result<FileFormat, ConfigErro
 }
 
 /// The bytes a tcp sender's region holds at least for the sender not to wait for syncs at full
-/// rate (docs/protocol.md, "How many blocks"; README, Benchmarks, "At 64 KiB, the region's size").
+/// rate (docs/protocol.md, "How many blocks"; docs/benchmarks.md, "At 64 KiB, the region's size").
 pub const TCP_REGION_BYTES: usize = 4 << 20;
 
 /// Over tcp, a line for the log when each sender's region (`blocks` × `block_size`) is smaller

@@ -181,7 +181,7 @@ impl SenderConfig {
     /// sender keeps FULL at most (`auto`: [`rdmastream::transport::shm_cache_budget`], an eighth
     /// of this host's last-level cache), or `None` for `off` (every block may be FULL). The
     /// budget keeps an unthrottled stream's working set in the cache both ends share; a burst of
-    /// frames that fall due together waits for it (README, "The working set on one host").
+    /// frames that fall due together waits for it (docs/benchmarks.md, "The working set on one host").
     pub fn shm_cache_budget(&self, file: &Path) -> Result<Option<usize>, ConfigError> {
         let text = self.shm_cache_budget.trim();
         match text {

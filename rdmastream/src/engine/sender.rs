@@ -909,7 +909,7 @@ const TURNS_HERE: usize = 4;
 /// waited: it took the core the filling and sending threads needed to empty the queue, and
 /// frames went the long way (queued, copied) at a fraction of the rate: `rdmasink
 /// drop-policy=drop-oldest` under an unthrottled `videotestsrc`, the sending process on one
-/// core, moved 600–1250 frames/s at a p99 of 16–23 ms (README, "A moment's wait under
+/// core, moved 600–1250 frames/s at a p99 of 16–23 ms (docs/benchmarks.md, "A moment's wait under
 /// drop-oldest"). A live source waits at most this per frame, a small part of any frame
 /// interval. In [`DeviceInput::push_writing_here`] (a frame the source renders or copies itself)
 /// only while the device's previous frame is still on its way: waiting there whenever no block
@@ -923,7 +923,7 @@ pub const DROP_OLDEST_PATIENCE: Duration = Duration::from_millis(1);
 /// send block of its own. Without the wait, a stream that fell behind once (a stall of a few
 /// milliseconds) went on in send blocks, each copied into the receiver's memory by the sending
 /// thread and queued behind the others, so the queue never emptied and the sender lent
-/// nothing again for 10–40 ms at half the frame rate (README, "Back to the receiver's blocks
+/// nothing again for 10–40 ms at half the frame rate (docs/benchmarks.md, "Back to the receiver's blocks
 /// after a stall"). Once per reservation, and never longer than its timeout (a zero timeout
 /// does not wait).
 pub const LENT_PATIENCE: Duration = Duration::from_millis(1);

@@ -170,7 +170,7 @@ pub trait Connection: Send {
     /// Whether the sender writes the receiver's lowest-numbered free block first instead of the
     /// next round-robin one ([`crate::proto::SenderMachine::set_lowest_first`]): tcp, whose
     /// NIC thread copies each block in on the receiving host, so a block written again soon is
-    /// still in that host's cache (1 MiB blocks: less CPU per MB in 10 of 12 pairs, README,
+    /// still in that host's cache (1 MiB blocks: less CPU per MB in 10 of 12 pairs, docs/benchmarks.md,
     /// "Lowest-numbered block first over tcp"). Not verbs, whose sender stays the paper's until
     /// this is measured on a real NIC; shm's cache budget implies it when it limits anything.
     /// No default, for the same reason as [`Connection::syncs_early`].
@@ -191,7 +191,7 @@ pub const UNIX_SCHEME: &str = "unix:";
 
 /// The shm transport's [`Connection::cache_budget`] where the machine's cache size cannot be read
 /// (see [`shm_cache_budget`]): an eighth of the 32 MiB last-level cache of the machine it was
-/// measured on. See README and docs/protocol.md, "The working set on one host".
+/// measured on. See docs/benchmarks.md and docs/protocol.md, "The working set on one host".
 pub const SHM_CACHE_BUDGET: usize = 4 << 20;
 
 /// The tcp transport's [`Connection::cache_budget`] for remote blocks of `block_size` bytes:
@@ -222,7 +222,7 @@ pub fn tcp_send_limits(block_size: usize) -> SendLimits {
 /// block in from the socket, and with 16 blocks of 1 MiB the sender otherwise keeps some 12 of
 /// them FULL (it syncs when a quarter is left): the receiving copy then walks 12 MiB and cost
 /// about twice per byte what it costs into a few blocks (`perf record` of `bench
-/// engine-tcp-place`, README, "A cache budget over tcp"). The sending copy, from the send
+/// engine-tcp-place`, docs/benchmarks.md, "A cache budget over tcp"). The sending copy, from the send
 /// blocks into the socket, costs the same way: at 4 MiB it cost as much per byte as the
 /// receiving one until both ends kept few blocks in use. Not less: a sync over tcp is a round
 /// trip behind what is in flight, up to a loopback socket's 4 MiB send buffer (`tcp_wmem`'s
@@ -232,13 +232,13 @@ pub const TCP_CACHE_BUDGET: usize = 8 << 20;
 
 /// The largest blocks a tcp connection keeps a cache budget for ([`tcp_cache_budget`],
 /// [`tcp_send_limits`]): with 8 MiB blocks, 4 of them FULL and 2 of the sender's in use moved
-/// no more than no limit (README, "A cache budget over tcp").
+/// no more than no limit (docs/benchmarks.md, "A cache budget over tcp").
 pub const TCP_BUDGET_MAX_BLOCK: usize = 4 << 20;
 
 /// The fewest of its own blocks a tcp sender's filling thread may keep in use under the cache
 /// budget ([`tcp_send_limits`]): for larger blocks it has no limit. Its blocks include those a
 /// lossless message keeps until a sync reads it delivered, and with 4 blocks of 4 MiB a lossless
-/// stream moved less (1 of 8 rounds better, README, "A cache budget over tcp").
+/// stream moved less (1 of 8 rounds better, docs/benchmarks.md, "A cache budget over tcp").
 pub const TCP_BUDGET_MIN_BLOCKS: usize = 8;
 
 /// The fewest in-place blocks a tcp sender's live devices may keep in use under the cache budget
@@ -295,7 +295,7 @@ pub const SHM_CACHE_BUDGET_RANGE: (usize, usize) = (2 << 20, 256 << 20);
 /// 921600-byte frames slowed threefold once its destinations spanned more than 10 MiB, and
 /// unthrottled rdmasink/rdmasrc over shm ran at 0.54–0.59× shmsink/shmsrc's frame rate with
 /// 16 blocks of 1 MiB in use (the old budget of half the cache limited nothing there),
-/// 0.87–0.95× with 8, 1.28–2.08× with 4 (README, "The working set on one host").
+/// 0.87–0.95× with 8, 1.28–2.08× with 4 (docs/benchmarks.md, "The working set on one host").
 pub fn shm_cache_budget() -> usize {
     static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BUDGET.get_or_init(|| {

@@ -1135,7 +1135,7 @@ const MAX_DEFERRED: usize = 8;
 /// socket's send buffer holds at most by default (`tcp_wmem`'s 4 MiB). A writev holds every send
 /// block in it until its last byte is taken, and past what the socket holds it saves no system
 /// call, only sleeps inside one: eight 4 MiB blocks in one writev kept the filling side waiting
-/// for 32 MiB to drain, then refilling eight blocks while the link ran dry (README, Benchmarks,
+/// for 32 MiB to drain, then refilling eight blocks while the link ran dry (docs/benchmarks.md,
 /// "Gathering at most 4 MiB per `writev`").
 const MAX_GATHER: usize = 4 << 20;
 
