@@ -2503,6 +2503,70 @@ fn a_drop_oldest_frame_written_here_waits_a_moment_while_its_previous_frame_is_o
     drop(s);
 }
 
+/// A frame whose caller already waited its moment for a block in vain (a buffer pool's acquire
+/// that fell back to a plain buffer, `DeviceInput::waited_in_vain`) is not held a second moment
+/// by `push_writing_here`, though the link is still behind; the next frame waits again. Timed
+/// against the frames that wait, in the same state (the fastest of three, so a stall does not
+/// decide it).
+#[test]
+fn a_drop_oldest_frame_whose_pool_waited_in_vain_does_not_wait_a_second_moment() {
+    let fabric = MemFabric::new();
+    // No receiver: nothing is ever written, so device 1 stays behind from its second frame on.
+    // The filling thread has blocks for all its frames (one_in_place's two would leave the
+    // third frame in the queue, and a frame with one queued before it is pushed at once).
+    let opts = SenderOptions {
+        name: "waited".into(),
+        key: Some(key()),
+        send_blocks: 17,
+        in_place_blocks: 1,
+        block_size: 4096,
+        reconnect_min: Duration::from_millis(20),
+        reconnect_max: Duration::from_millis(50),
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(fabric.connector("rx")), 2).unwrap();
+    let input = s.add_device(1, DropPolicy::DropOldest);
+    let other = s.add_device(2, DropPolicy::DropOldest);
+    let held = other.reserve(100, Duration::from_secs(5)).unwrap();
+    let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
+    let mut index = 0;
+    // Hands in a frame once the filling thread has taken the one before (so none waits in the
+    // queue, which would push it at once), after `waited_in_vain` when `pooled`.
+    let mut frame = |pooled: bool| -> Duration {
+        std::thread::sleep(Duration::from_millis(300));
+        if pooled {
+            input.waited_in_vain();
+        }
+        index += 1;
+        let started = std::time::Instant::now();
+        assert!(input.push_writing_here(stamped(index, 10 * index, index as u8)));
+        started.elapsed()
+    };
+    frame(false);
+    let mut waiting = Vec::new();
+    let mut pooled = Vec::new();
+    for _ in 0..3 {
+        pooled.push(frame(true));
+        waiting.push(frame(false));
+    }
+    let fastest = |t: &[Duration]| *t.iter().min().unwrap();
+    assert!(
+        fastest(&waiting) >= moment,
+        "the frames without a wait before them took {waiting:?}, not a moment ({moment:?}) each"
+    );
+    assert!(
+        fastest(&pooled) < fastest(&waiting) - moment / 2,
+        "the frames whose pool had waited took {pooled:?}, those without {waiting:?}: they \
+         waited a second moment"
+    );
+    drop(held);
+    input.end();
+    other.end();
+    drop(input);
+    drop(other);
+    drop(s);
+}
+
 /// When the device's previous frame is through and the blocks are busy with another device's
 /// frames (cameras falling due together), a drop-oldest frame written here does not wait for a
 /// block: it is pushed at once, for the filling thread. Timed against the same device's frames
