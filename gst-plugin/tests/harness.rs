@@ -1288,7 +1288,7 @@ fn a_drop_oldest_copy_waits_its_moment_while_earlier_frames_are_in_flight() {
 
 /// Under `drop-policy=drop-oldest` a buffer the pool handed out after its own moment's wait in
 /// vain (no block free: a plain buffer) is not held a second moment by `render`'s copy, though
-/// the sink's earlier frames are still in flight: upstream waits one moment per frame at most.
+/// the sink's earlier frames are still in flight: upstream waits for a block once per frame.
 /// Timed against buffers from elsewhere pushed in the same state, which wait their moment (the
 /// fastest of three each, so a stall does not decide it).
 #[test]

@@ -448,7 +448,7 @@ impl RdmaSink {
     /// all through, the blocks are busy with other sinks' frames on the shared connection
     /// (cameras falling due together), and a drop-oldest frame does not wait; nor does a buffer
     /// the pool handed out after its own moment's wait in vain (`take_waited_in_vain`): upstream
-    /// waits one moment per frame at most. False when it got
+    /// waits for a block once per frame. False when it got
     /// none (no in-place blocks, a frame larger than one block, all in use): the caller pushes
     /// the buffer and the filling thread copies it, as before.
     fn render_copied_here(

@@ -509,7 +509,7 @@ impl DeviceInput {
     /// previous frame is through and the blocks are busy with other devices' frames (cameras
     /// falling due together), the frame is pushed at once, as a `block` device's is; so is a
     /// frame whose caller waited its moment for a block in vain already (a pool's plain buffer,
-    /// [`DeviceInput::waited_in_vain`]): no frame waits two moments. Returns
+    /// [`DeviceInput::waited_in_vain`]): no frame waits twice for a block. Returns
     /// false once the sender has shut down.
     pub fn push_writing_here(&self, frame: SourceFrame) -> bool {
         // Only a drop-oldest device asks (and keeps `last_ts`). A frame whose caller already
