@@ -298,16 +298,6 @@ impl DeviceLease {
         self.shared.is_finished()
     }
 
-    /// Whether the pool waited its moment for a block in vain since the last call
-    /// ([`DeviceInput::take_waited_in_vain`]); false once the lease is ended.
-    pub fn take_waited_in_vain(&self) -> bool {
-        self.input
-            .lock()
-            .unwrap()
-            .as_ref()
-            .is_some_and(|i| i.take_waited_in_vain())
-    }
-
     /// Frames handed over and neither fully written nor dropped yet.
     pub fn in_flight(&self) -> u64 {
         let done = self.counters.frames.load(Ordering::Relaxed)
@@ -407,12 +397,6 @@ impl BlockLease for DeviceLease {
 
     /// Takes a send block for a frame of `len` bytes written in place (see
     /// [`DeviceInput::reserve`]).
-    fn waited_in_vain(&self) {
-        if let Some(input) = self.input.lock().unwrap().as_ref() {
-            input.waited_in_vain();
-        }
-    }
-
     fn reserve(&self, len: usize, timeout: Duration) -> Result<Reservation, NotReserved> {
         let input = self.input.lock().unwrap().clone();
         match input {

@@ -1286,60 +1286,6 @@ fn a_drop_oldest_copy_waits_its_moment_while_earlier_frames_are_in_flight() {
     });
 }
 
-/// Under `drop-policy=drop-oldest` a buffer the pool handed out after its own moment's wait in
-/// vain (no block free: a plain buffer) is not held a second moment by `render`'s copy, though
-/// the sink's earlier frames are still in flight: upstream waits for a block once per frame.
-/// Timed against buffers from elsewhere pushed in the same state, which wait their moment (the
-/// fastest of three each, so a stall does not decide it).
-#[test]
-fn a_drop_oldest_buffer_the_pool_waited_for_in_vain_does_not_wait_again() {
-    init();
-    let port = free_port(); // nothing listens here: every frame stays in flight
-    let e = sink_element(port, 16, &[("in-place-blocks", 1i32.to_value())]);
-    e.set_property_from_str("drop-policy", "drop-oldest");
-    let mut tx = sink_harness(&e, GRAY);
-    let pool = proposed_pool(&tx);
-    // The only in-place block, held upstream.
-    let held = pooled(&pool, 9);
-    let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
-    tx.push(buffer(vec![1; 8], 0, 100)).unwrap();
-    wait_for("the first frame in flight", || {
-        stats(&e).get::<u64>("in-flight").unwrap_or(0) >= 1
-    });
-    let (mut elsewhere, mut fell_back) = (Vec::new(), Vec::new());
-    for i in 0..3u64 {
-        let started = std::time::Instant::now();
-        tx.push(buffer(vec![2; 8], 100 + 200 * i, 100)).unwrap();
-        elsewhere.push(started.elapsed());
-        // The pool's acquire waits its moment, finds no block and hands out a plain buffer.
-        let mut b = pool.acquire_buffer(None).unwrap();
-        {
-            let b = b.get_mut().unwrap();
-            b.map_writable().unwrap().copy_from_slice(&[3; 8]);
-            b.set_pts(gst::ClockTime::from_mseconds(200 + 200 * i));
-            b.set_duration(gst::ClockTime::from_mseconds(100));
-        }
-        let started = std::time::Instant::now();
-        tx.push(b).unwrap();
-        fell_back.push(started.elapsed());
-    }
-    let fastest = |t: &[std::time::Duration]| *t.iter().min().unwrap();
-    assert!(
-        fastest(&elsewhere) >= moment,
-        "the buffers from elsewhere took {elsewhere:?}, not a moment ({moment:?}) each"
-    );
-    assert!(
-        fastest(&fell_back) < fastest(&elsewhere) - moment / 2,
-        "the pool's plain buffers took {fell_back:?} in render, those from elsewhere \
-         {elsewhere:?}: they waited a second moment"
-    );
-    drop(held);
-    within_deadline("stopping the sink", move || {
-        pool.set_active(false).unwrap();
-        drop(tx);
-    });
-}
-
 /// With every earlier frame of this sink through, a `drop-oldest` buffer from elsewhere that
 /// finds no in-place block free (the blocks busy elsewhere: here upstream holds the only one)
 /// does not wait for one: the filling thread copies it at once, and the frames arrive in order.

@@ -32,16 +32,9 @@ pub trait BlockLease: Send + Sync + 'static {
     fn commit(&self, reservation: Reservation, meta: FrameMeta) -> bool {
         reservation.commit(meta)
     }
-    /// The pool waited its moment for a block in vain and hands out a plain buffer: its frame
-    /// does not wait again when it is copied ([`DeviceInput::waited_in_vain`]).
-    fn waited_in_vain(&self);
 }
 
 impl BlockLease for DeviceInput {
-    fn waited_in_vain(&self) {
-        DeviceInput::waited_in_vain(self)
-    }
-
     fn in_place_blocks(&self) -> usize {
         DeviceInput::in_place_blocks(self)
     }
@@ -271,7 +264,6 @@ impl BufferPoolImpl for BlockPoolImp {
                 }
                 // None came free in a moment: a plain buffer, copied.
                 Err(NotReserved::TimedOut) if wait == Wait::AMoment => {
-                    lease.waited_in_vain();
                     return gst::Buffer::with_size(size).map_err(|_| gst::FlowError::Error);
                 }
                 // No block came free: the receiver may be gone for good (every block then

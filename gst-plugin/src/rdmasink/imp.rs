@@ -446,9 +446,7 @@ impl RdmaSink {
     /// way (`DeviceLease::in_flight`): a source faster than the link that never waited here
     /// kept its core while the frames went the long way, queued and copied twice. With them
     /// all through, the blocks are busy with other sinks' frames on the shared connection
-    /// (cameras falling due together), and a drop-oldest frame does not wait; nor does a buffer
-    /// the pool handed out after its own moment's wait in vain (`take_waited_in_vain`): upstream
-    /// waits for a block once per frame. False when it got
+    /// (cameras falling due together), and a drop-oldest frame does not wait. False when it got
     /// none (no in-place blocks, a frame larger than one block, all in use): the caller pushes
     /// the buffer and the filling thread copies it, as before.
     fn render_copied_here(
@@ -458,11 +456,8 @@ impl RdmaSink {
         policy: DropPolicyProperty,
         times: Times,
     ) -> Result<bool, gst::FlowError> {
-        // Under drop-oldest a buffer the pool handed out after its moment's wait in vain has
-        // waited already: no second moment for it.
         let timeout = match policy {
             DropPolicyProperty::Block => COPY_PATIENCE,
-            _ if lease.take_waited_in_vain() => Duration::ZERO,
             _ if lease.in_flight() > 0 => rdmastream::engine::sender::DROP_OLDEST_PATIENCE,
             _ => Duration::ZERO,
         };

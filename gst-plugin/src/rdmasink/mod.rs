@@ -19,7 +19,8 @@
 //! instead, so a later frame never overtakes it. With `drop-policy=block` (default) acquiring a
 //! buffer waits for an in-place block to come free; with `drop-oldest` it waits at most a moment,
 //! 1 ms (a source faster than the link gives the sending threads their turn): with no block
-//! free by then it gets an ordinary buffer, which is copied without a second wait for a block. The `blocks` are the filling thread's own (copied frames, caps, EOS): a
+//! free by then it gets an ordinary buffer, which is copied like any buffer from elsewhere. The
+//! `blocks` are the filling thread's own (copied frames, caps, EOS): a
 //! committed frame waiting in a queue never holds a block the filling thread needs to get to it,
 //! and a lossless frame of several blocks is kept for resending as long as it needs fewer than
 //! `blocks`. A frame that does not fit one block (`block-size` minus 60 bytes of header and

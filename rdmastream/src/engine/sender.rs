@@ -414,10 +414,6 @@ struct QueueState {
     /// The capture timestamp of the frame a `drop-oldest` device handed in last through
     /// [`DeviceInput::push_writing_here`] (0 before the first).
     last_ts: AtomicU64,
-    /// A buffer pool waited its moment for a block of this input in vain and handed out a plain
-    /// buffer instead ([`DeviceInput::waited_in_vain`]), whose frame has not come in yet
-    /// ([`DeviceInput::take_waited_in_vain`]): that frame has had its moment already.
-    waited_in_vain: AtomicBool,
 }
 
 impl QueueState {
@@ -507,17 +503,11 @@ impl DeviceInput {
     /// [`DROP_OLDEST_PATIENCE`] for a block before it is pushed, so a source faster than the link
     /// leaves the threads that free blocks their turn instead of filling the queue. When the
     /// previous frame is through and the blocks are busy with other devices' frames (cameras
-    /// falling due together), the frame is pushed at once, as a `block` device's is; so is a
-    /// frame whose caller waited its moment for a block in vain already (a pool's plain buffer,
-    /// [`DeviceInput::waited_in_vain`]): no frame waits twice for a block. Returns
+    /// falling due together), the frame is pushed at once, as a `block` device's is. Returns
     /// false once the sender has shut down.
     pub fn push_writing_here(&self, frame: SourceFrame) -> bool {
-        // Only a drop-oldest device asks (and keeps `last_ts`). A frame whose caller already
-        // waited its moment for a block in vain (a pool's acquire that fell back to a plain
-        // buffer) does not wait a second one.
-        let drop_oldest = self.policy == DropPolicy::DropOldest;
-        let waited = drop_oldest && self.take_waited_in_vain();
-        let behind = drop_oldest && self.behind(frame.timestamp_ns) && !waited;
+        // Only a drop-oldest device asks (and keeps `last_ts`).
+        let behind = self.policy == DropPolicy::DropOldest && self.behind(frame.timestamp_ns);
         if matches!(frame.data, FrameData::Bytes(_))
             && self.queue.unplanned.load(Ordering::Acquire) != 0
         {
@@ -550,19 +540,6 @@ impl DeviceInput {
     /// without being counted (a connection that went) holds this for one frame at most: the
     /// next one through moves `done_ts` past it. Frames with equal timestamps count as through
     /// together; a source that gives none (0) is never behind.
-    /// Notes that a caller waited for a block of this device in vain and falls back to a
-    /// buffer of its own, whose frame comes in next ([`DeviceInput::push_writing_here`], or
-    /// rdmasink's copy): that frame does not wait a second moment. A buffer pool under
-    /// `drop-oldest` calls it when its acquire's moment ran out.
-    pub fn waited_in_vain(&self) {
-        self.queue.waited_in_vain.store(true, Ordering::Release);
-    }
-
-    /// Whether [`DeviceInput::waited_in_vain`] was called since the last call; clears it.
-    pub fn take_waited_in_vain(&self) -> bool {
-        self.queue.waited_in_vain.swap(false, Ordering::AcqRel)
-    }
-
     fn behind(&self, ts: u64) -> bool {
         let previous = self.queue.last_ts.swap(ts, Ordering::AcqRel);
         previous != 0 && self.counters.done_ts.load(Ordering::Acquire) < previous
