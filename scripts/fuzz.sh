@@ -25,9 +25,14 @@ for t in "${targets[@]}"; do
   # The tcp request decoder needs inputs past 16 KiB to reach the NIC's direct reads.
   max_len=()
   [ "$t" = tcp_requests ] && max_len=(-max_len=131072)
+  started=$SECONDS
   if cargo +nightly fuzz run --fuzz-dir fuzz -O "$t" "fuzz/corpus/$t" -- \
     -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 "${max_len[@]}" >"$log" 2>&1; then
     result=ok
+  elif grep -q 'libFuzzer: run interrupted' "$log"; then
+    # Ctrl-C or a signal: no input crashed it (libFuzzer exits 72), so no artifact to look for.
+    result="interrupted after $((SECONDS - started)) s, no crash (log $log)"
+    failed=1
   else
     result="CRASH (see fuzz/artifacts/$t/, log $log)"
     failed=1
