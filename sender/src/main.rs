@@ -27,10 +27,12 @@ struct Cli {
     /// device sends end-of-stream).
     #[arg(long, value_name = "SECS")]
     duration: Option<f64>,
-    /// Override `receiver` (host:port, or unix:/path for the shm transport).
+    /// The receiver: host:port, or unix:/path for the shm transport (overrides `receiver`; a
+    /// config file may leave that key to this flag).
     #[arg(long)]
     receiver: Option<String>,
-    /// Override `name`.
+    /// This sender's name, as the receiver knows it (overrides `name`; a config file may leave
+    /// that key to this flag).
     #[arg(long)]
     name: Option<String>,
     /// Override `transport` (auto, verbs, tcp, shm; auto is shm for a unix:/path address).
