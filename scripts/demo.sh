@@ -20,6 +20,12 @@ echo "== receiver: listening on $listen (configs/receiver.toml), writing to $OUT
 receiver=$!
 trap 'kill $receiver 2>/dev/null || true' EXIT
 sleep 0.5
+if ! kill -0 "$receiver" 2>/dev/null; then
+  # It said why above (e.g. the address in use: another receiver, or the compose demo, running).
+  wait "$receiver" || true
+  echo "demo: the receiver did not start (its message is above); nothing was streamed" >&2
+  exit 1
+fi
 echo "== sender: 12 cameras + 2 radars for ${DURATION}s"
 ./target/release/sender --duration "$DURATION"
 wait $receiver
