@@ -209,12 +209,24 @@ pub fn recv_message<S: SideStream>(
     stream: &mut S,
     deadline: Instant,
 ) -> std::result::Result<Vec<u8>, String> {
-    let mut len = [0u8; 4];
-    read_until(stream, &mut len, deadline).map_err(|e| format!("reading message length: {e}"))?;
-    let len = u32::from_le_bytes(len) as usize;
+    // The hints name the likely cause for whoever reads the log: a peer at this address that
+    // is not an rdmastream sender or receiver (an HTTP or SSH server, a port scanner). Its bytes
+    // are quoted escaped: they are the peer's.
+    const NOT_OURS: &str = "is the peer an rdmastream sender or receiver?";
+    let mut first = [0u8; 4];
+    read_until(stream, &mut first, deadline).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::TimedOut {
+            format!("reading message length: {e} (no handshake message in time: {NOT_OURS})")
+        } else {
+            format!("reading message length: {e}")
+        }
+    })?;
+    let len = u32::from_le_bytes(first) as usize;
     if len > MAX_MESSAGE {
         return Err(format!(
-            "message of {len} bytes is over the {MAX_MESSAGE}-byte limit"
+            "message of {len} bytes is over the {MAX_MESSAGE}-byte limit (its first bytes, {:?}, \
+             are no rdmastream handshake: {NOT_OURS})",
+            String::from_utf8_lossy(&first)
         ));
     }
     let mut body = vec![0u8; len];
@@ -2260,6 +2272,28 @@ pub mod fuzzing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A handshake read from a peer that is not ours says so, quoting its first bytes escaped
+    /// (an SSH server's banner, with a control byte a peer could use on a terminal), and one
+    /// that says nothing (an HTTP server waiting for a request) is named too.
+    #[test]
+    fn a_peer_that_is_not_rdmastream_is_named_as_such() {
+        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
+        theirs.write_all(b"S\x1bH-2.0-OpenSSH_9.2\r\n").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let e = recv_message(&mut ours, deadline).unwrap_err();
+        assert!(
+            e.contains(r#""S\u{1b}H-""#) && e.contains("rdmastream sender or receiver"),
+            "{e}"
+        );
+        let (mut ours, _silent) = UnixStream::pair().unwrap();
+        let deadline = Instant::now() + Duration::from_millis(50);
+        let e = recv_message(&mut ours, deadline).unwrap_err();
+        assert!(
+            e.contains("in time") && e.contains("rdmastream sender or receiver"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn a_flush_gathers_up_to_eight_blocks_and_at_most_4_mib() {
