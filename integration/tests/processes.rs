@@ -320,7 +320,7 @@ fn two_senders_into_one_receiver_on(it: It) {
     }
 }
 
-/// Handshakes the receiver must refuse — garbage on its port, a wrong key — are logged with
+/// Handshakes the receiver must refuse — garbage on its port, a wrong key, no key — are logged with
 /// the peer and refused without disturbing it; the refused sender exits with a message naming the
 /// receiver and the reason; a correct sender is served afterwards.
 #[test]
@@ -337,6 +337,34 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
         &bin("receiver"),
         &receiver_args(&rx_cfg, &listen, &out),
         &rx_log,
+    );
+    let devices = "[[device]]\nid = 0\nsource = \"radar-synthetic\"\nsize = 1000\nrate = 20\npolicy = \"block\"\nframes = 40\n";
+    // No key at all: the sender hangs up at the challenge and says what to set; the receiver's
+    // log says what happened. (Once the receiver listens: `--duration 2` is all it tries for.)
+    rdmastream_testkit::wait_listening(&rx_log);
+    let keyless = sender_config(tmp.path(), &it, "keyless.toml", "keyless", port, devices);
+    let keyless_log = tmp.path().join("keyless.log");
+    let mut s = spawn(
+        &bin("sender"),
+        &["--config", keyless.to_str().unwrap(), "--duration", "2"],
+        &keyless_log,
+    );
+    assert_eq!(
+        wait(
+            &mut s,
+            Duration::from_secs(60),
+            "keyless sender",
+            &keyless_log
+        ),
+        1,
+        "{}",
+        tail(&keyless_log)
+    );
+    let text = std::fs::read_to_string(&keyless_log).unwrap();
+    assert!(
+        text.contains("requires a key for sender 'keyless'"),
+        "{}",
+        tail(&keyless_log)
     );
     // Garbage: a length prefix announcing a short body of junk.
     let mut junk = loop {
@@ -356,7 +384,6 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
         "{answer:?}"
     );
     // A wrong key.
-    let devices = "[[device]]\nid = 0\nsource = \"radar-synthetic\"\nsize = 1000\nrate = 20\npolicy = \"block\"\nframes = 40\n";
     let bad = sender_config(
         tmp.path(),
         &it,
@@ -406,6 +433,8 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
         40
     );
     let rx_text = std::fs::read_to_string(&rx_log).unwrap();
+    // One line per kind of refusal in a while (the junk's bad-handshake line is the keyless
+    // sender's kind, logged first), every refusal counted.
     assert_eq!(
         rx_text.matches("refused connection").count(),
         2,
@@ -413,7 +442,8 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
         tail(&rx_log)
     );
     assert!(
-        rx_text.contains("2 connections refused"),
+        rx_text.contains("3 connections refused")
+            && rx_text.contains("sender 'keyless' hung up at the key challenge"),
         "{}",
         tail(&rx_log)
     );

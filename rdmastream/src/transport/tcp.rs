@@ -472,12 +472,18 @@ pub fn server_handshake<T, S: SideStream>(
     {
         Ok(p) => p,
         Err(e) => {
-            return Err(refuse(
-                stream,
-                &peer,
-                RefusalKind::BadHandshake,
-                format!("sender '{}': bad proof: {e}", hello.sender),
-            ));
+            // A sender without a key hangs up when the challenge asks for one (it says so on
+            // its side); say so here too, for whoever reads this receiver's log.
+            let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof).to_string();
+            let why = if !keys.is_anonymous() && e.ends_with(&eof) {
+                format!(
+                    "sender '{}' hung up at the key challenge (no key on its side?): {e}",
+                    hello.sender
+                )
+            } else {
+                format!("sender '{}': bad proof: {e}", hello.sender)
+            };
+            return Err(refuse(stream, &peer, RefusalKind::BadHandshake, why));
         }
     };
     let key = if keys.is_anonymous() {
