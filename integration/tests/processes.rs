@@ -353,28 +353,26 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
             if it.small { 262144 } else { 1048576 }
         ),
     );
-    let keyless_log = tmp.path().join("keyless.log");
-    let mut s = spawn(
-        &bin("sender"),
-        &["--config", keyless.to_str().unwrap(), "--duration", "2"],
-        &keyless_log,
-    );
-    assert_eq!(
-        wait(
-            &mut s,
-            Duration::from_secs(60),
-            "keyless sender",
-            &keyless_log
-        ),
-        1,
-        "{}",
-        tail(&keyless_log)
-    );
-    let text = std::fs::read_to_string(&keyless_log).unwrap();
+    // A sender the receiver refuses, given `cfg`, for 2 s: it exits 1; what it logged.
+    let refused = |cfg: &Path, what: &str| -> String {
+        let log = tmp.path().join(format!("{what}.log"));
+        let mut s = spawn(
+            &bin("sender"),
+            &["--config", cfg.to_str().unwrap(), "--duration", "2"],
+            &log,
+        );
+        assert_eq!(
+            wait(&mut s, Duration::from_secs(60), what, &log),
+            1,
+            "{}",
+            tail(&log)
+        );
+        std::fs::read_to_string(&log).unwrap()
+    };
+    let text = refused(&keyless, "keyless sender");
     assert!(
         text.contains("requires a key for sender 'keyless'"),
-        "{}",
-        tail(&keyless_log)
+        "{text}"
     );
     // Garbage: a length prefix announcing a short body of junk.
     let mut junk = loop {
@@ -402,24 +400,11 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
         port,
         &format!("key = \"guess-guess-guess-guess\"\n{devices}"),
     );
-    let bad_log = tmp.path().join("bad.log");
-    let mut s = spawn(
-        &bin("sender"),
-        &["--config", bad.to_str().unwrap(), "--duration", "2"],
-        &bad_log,
-    );
-    assert_eq!(
-        wait(&mut s, Duration::from_secs(60), "refused sender", &bad_log),
-        1,
-        "{}",
-        tail(&bad_log)
-    );
-    let text = std::fs::read_to_string(&bad_log).unwrap();
+    let text = refused(&bad, "refused sender");
     assert!(
         text.contains(&format!("receiver {listen} refused"))
             && text.contains("authentication failed"),
-        "{}",
-        tail(&bad_log)
+        "{text}"
     );
     // The right key.
     let good = sender_config(
