@@ -448,6 +448,18 @@ fn bad_handshakes_are_refused_and_the_receiver_carries_on() {
     );
 }
 
+/// Runs `binary` with `args` to its end: its exit code and what it wrote to stderr.
+fn exits(binary: &str, args: &[&str]) -> (Option<i32>, String) {
+    let out = std::process::Command::new(bin(binary))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// A bad config exits with code 2 and names the file, the key and the reason.
 #[test]
 fn bad_config_names_file_key_and_reason() {
@@ -523,12 +535,8 @@ fn bad_config_names_file_key_and_reason() {
     ];
     for (n, (binary, text, key)) in cases.iter().enumerate() {
         let cfg = write(tmp.path(), &format!("{n}.toml"), text);
-        let out = std::process::Command::new(bin(binary))
-            .args(["--config", cfg.to_str().unwrap()])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{binary} {text:?}: {err}");
+        let (code, err) = exits(binary, &["--config", cfg.to_str().unwrap()]);
+        assert_eq!(code, Some(2), "{binary} {text:?}: {err}");
         assert!(
             err.contains(&format!("{n}.toml")) && err.contains(key),
             "{binary}: message {err:?} should name the file and {key}"
@@ -547,13 +555,11 @@ fn bad_config_names_file_key_and_reason() {
         (&["--listen", "127.0.0.1:99999"][..], "--listen"),
         (&["--transport", "carrier-pigeon"][..], "--transport"),
     ] {
-        let out = std::process::Command::new(bin("receiver"))
-            .args(["--config", good.to_str().unwrap()])
-            .args(flags)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        let (code, err) = exits(
+            "receiver",
+            &[&["--config", good.to_str().unwrap()], flags].concat(),
+        );
+        assert_eq!(code, Some(2), "{flags:?}: {err}");
         assert!(
             err.contains(&format!("{flag}: ")) && !err.contains("good.toml"),
             "{flags:?}: {err:?} should blame {flag}, not the file"
@@ -568,25 +574,28 @@ fn bad_config_names_file_key_and_reason() {
     );
     let port = free_port();
     let peer = format!("127.0.0.1:{port}");
-    let out = std::process::Command::new(bin("sender"))
-        .args(["--config", devices_only.to_str().unwrap()])
-        .args(["--name", "edge-9", "--receiver", &peer, "--duration", "0.5"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let (code, err) = exits(
+        "sender",
+        &[
+            "--config",
+            devices_only.to_str().unwrap(),
+            "--name",
+            "edge-9",
+            "--receiver",
+            &peer,
+            "--duration",
+            "0.5",
+        ],
+    );
+    assert_eq!(code, Some(1), "{err}");
     assert!(
         err.contains(&format!("cannot connect to receiver {peer}")) && !err.contains("missing"),
         "{err}"
     );
     // A receiver address that can never work is refused at start, not retried forever.
     for (addr, why) in [("nohost:99999", "port"), ("10.0.0.2", "no port")] {
-        let out = std::process::Command::new(bin("sender"))
-            .args(["--receiver", addr, "--duration", "1"])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "--receiver {addr}: {err}");
+        let (code, err) = exits("sender", &["--receiver", addr, "--duration", "1"]);
+        assert_eq!(code, Some(2), "--receiver {addr}: {err}");
         assert!(
             err.contains("--receiver: ") && err.contains(why),
             "--receiver {addr}: {err:?} should blame --receiver and say why"
