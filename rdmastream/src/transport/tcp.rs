@@ -204,34 +204,61 @@ fn read_until<S: SideStream>(
     Ok(())
 }
 
+/// Why a handshake message could not be read: the reason (for the log, and for the peer in a
+/// refusal), and whether the peer closed the connection before the whole message came.
+#[derive(Debug)]
+pub struct RecvError {
+    pub why: String,
+    pub hung_up: bool,
+}
+
+impl std::fmt::Display for RecvError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
+}
+
+impl RecvError {
+    fn io(e: &std::io::Error, why: String) -> RecvError {
+        RecvError {
+            why,
+            hung_up: e.kind() == std::io::ErrorKind::UnexpectedEof,
+        }
+    }
+}
+
 /// Reads one length-prefixed handshake message (bounded by [`MAX_MESSAGE`]) before `deadline`.
 pub fn recv_message<S: SideStream>(
     stream: &mut S,
     deadline: Instant,
-) -> std::result::Result<Vec<u8>, String> {
+) -> std::result::Result<Vec<u8>, RecvError> {
     // The hints name the likely cause for whoever reads the log: a peer at this address that
     // is not an rdmastream sender or receiver (an HTTP or SSH server, a port scanner). Its bytes
     // are quoted escaped: they are the peer's.
     const NOT_OURS: &str = "is the peer an rdmastream sender or receiver?";
     let mut first = [0u8; 4];
     read_until(stream, &mut first, deadline).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::TimedOut {
+        let why = if e.kind() == std::io::ErrorKind::TimedOut {
             format!("reading message length: {e} (no handshake message in time: {NOT_OURS})")
         } else {
             format!("reading message length: {e}")
-        }
+        };
+        RecvError::io(&e, why)
     })?;
     let len = u32::from_le_bytes(first) as usize;
     if len > MAX_MESSAGE {
-        return Err(format!(
-            "message of {len} bytes is over the {MAX_MESSAGE}-byte limit (its first bytes, {:?}, \
-             are no rdmastream handshake: {NOT_OURS})",
-            String::from_utf8_lossy(&first)
-        ));
+        return Err(RecvError {
+            why: format!(
+                "message of {len} bytes is over the {MAX_MESSAGE}-byte limit (its first bytes, \
+                 {:?}, are no rdmastream handshake: {NOT_OURS})",
+                String::from_utf8_lossy(&first)
+            ),
+            hung_up: false,
+        });
     }
     let mut body = vec![0u8; len];
     read_until(stream, &mut body, deadline)
-        .map_err(|e| format!("reading {len}-byte message: {e}"))?;
+        .map_err(|e| RecvError::io(&e, format!("reading {len}-byte message: {e}")))?;
     Ok(body)
 }
 
@@ -297,7 +324,7 @@ pub fn client_handshake_on<S: SideStream>(
     };
     let hello_bytes = hello.encode();
     send_message(stream, &hello_bytes).map_err(|e| hs_err(format!("sending hello: {e}")))?;
-    let body = recv_message(stream, deadline).map_err(hs_err)?;
+    let body = recv_message(stream, deadline).map_err(|e| hs_err(e.why))?;
     if let Ok(w) = Welcome::decode(&body) {
         return Err(if w.error.is_empty() {
             hs_err("welcome before the challenge".into())
@@ -328,7 +355,7 @@ pub fn client_handshake_on<S: SideStream>(
         mac,
     };
     send_message(stream, &proof.encode()).map_err(|e| hs_err(format!("sending proof: {e}")))?;
-    let welcome_bytes = recv_message(stream, deadline).map_err(hs_err)?;
+    let welcome_bytes = recv_message(stream, deadline).map_err(|e| hs_err(e.why))?;
     let welcome =
         Welcome::decode(&welcome_bytes).map_err(|e| hs_err(format!("bad welcome: {e}")))?;
     if !welcome.error.is_empty() {
@@ -467,24 +494,25 @@ pub fn server_handshake<T, S: SideStream>(
     if let Err(e) = send_message(stream, &challenge_bytes) {
         return Err(lost(&peer, &hello.sender, e));
     }
-    let proof = match recv_message(stream, deadline)
-        .and_then(|b| Proof::decode(&b).map_err(|e| e.to_string()))
-    {
-        Ok(p) => p,
-        Err(e) => {
+    let bad_proof =
+        |e: &dyn std::fmt::Display| format!("sender '{}': bad proof: {e}", hello.sender);
+    let proof = recv_message(stream, deadline)
+        .map_err(|e| {
             // A sender without a key hangs up when the challenge asks for one (it says so on
             // its side); say so here too, for whoever reads this receiver's log.
-            let eof = std::io::Error::from(std::io::ErrorKind::UnexpectedEof).to_string();
-            let why = if !keys.is_anonymous() && e.ends_with(&eof) {
+            if e.hung_up && !keys.is_anonymous() {
                 format!(
                     "sender '{}' hung up at the key challenge (no key on its side?): {e}",
                     hello.sender
                 )
             } else {
-                format!("sender '{}': bad proof: {e}", hello.sender)
-            };
-            return Err(refuse(stream, &peer, RefusalKind::BadHandshake, why));
-        }
+                bad_proof(&e)
+            }
+        })
+        .and_then(|b| Proof::decode(&b).map_err(|e| bad_proof(&e)));
+    let proof = match proof {
+        Ok(p) => p,
+        Err(why) => return Err(refuse(stream, &peer, RefusalKind::BadHandshake, why)),
     };
     let key = if keys.is_anonymous() {
         None
@@ -2287,14 +2315,14 @@ mod tests {
         let (mut ours, mut theirs) = UnixStream::pair().unwrap();
         theirs.write_all(b"S\x1bH-2.0-OpenSSH_9.2\r\n").unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
-        let e = recv_message(&mut ours, deadline).unwrap_err();
+        let e = recv_message(&mut ours, deadline).unwrap_err().why;
         assert!(
             e.contains(r#""S\u{1b}H-""#) && e.contains("rdmastream sender or receiver"),
             "{e}"
         );
         let (mut ours, _silent) = UnixStream::pair().unwrap();
         let deadline = Instant::now() + Duration::from_millis(50);
-        let e = recv_message(&mut ours, deadline).unwrap_err();
+        let e = recv_message(&mut ours, deadline).unwrap_err().why;
         assert!(
             e.contains("in time") && e.contains("rdmastream sender or receiver"),
             "{e}"
