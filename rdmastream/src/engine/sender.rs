@@ -906,8 +906,8 @@ struct SendState {
 /// How long a link ([`Connection::posts_here_when_idle`]: tcp) must have posted and completed
 /// nothing before a thread handing a block over may post it itself. A frame at a camera's pace
 /// then goes out on the thread that made it, without waiting for the sending thread to be woken
-/// and given a CPU: `rdmasink`/`rdmasrc` over tcp at 25 fps, p50 0.78–0.94 → 0.64–0.71 ms
-/// (docs/benchmarks.md, "Posting on the handing thread over tcp"). A busy link, whose blocks come
+/// and given a CPU: `rdmasink`/`rdmasrc` over tcp at 25 fps, p50 0.93–1.23 → 0.76–0.93 ms in 16
+/// runs in turn (docs/benchmarks.md, "Posting on the handing thread over tcp"). A busy link, whose blocks come
 /// faster than this, stays with the sending thread, which writes while the source makes the next
 /// frame.
 pub const IDLE_BEFORE_POSTING_HERE: Duration = Duration::from_millis(1);

@@ -1266,7 +1266,12 @@ fn write_slices(
     let mut done = skip;
     while done < total {
         let n = if wait {
-            stream.write_vectored(rest)?
+            match stream.write_vectored(rest) {
+                Ok(n) => n,
+                // A signal (the binaries' SIGUSR1 for the summary table) is no failure.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
         } else {
             use rustix::net::{SendAncillaryBuffer, SendFlags, sendmsg};
             let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
