@@ -176,9 +176,7 @@ fn tcp_transport_delivers_every_frame_verified_with_a_retained_block() {
     // The tcp transport counts what the status-byte sender posted: a WRITE chain of two work
     // requests per block and one READ per sync, on one completion queue.
     let (m, w) = (report.machine, report.work);
-    // Pushed frames go through the filling thread, which leaves their posts to the sending
-    // thread (a committing source's frame on an idle link is posted where it was made:
-    // `a_frame_committed_on_an_idle_tcp_link_is_posted_by_the_committing_thread`).
+    // The emulated NIC completes work on its own thread: only the sending thread drives it.
     assert_eq!(report.driven_here, 0);
     assert_eq!(w.send_wrs, 2 * m.writes + m.syncs, "{w:?} {m:?}");
     assert_eq!(w.recv_wrs, 0);
@@ -1119,9 +1117,6 @@ impl rdmastream::transport::Connection for FailingConnection {
     }
     fn completes_at_once(&self) -> bool {
         self.inner.completes_at_once()
-    }
-    fn posts_here_when_idle(&self) -> bool {
-        self.inner.posts_here_when_idle()
     }
 }
 
@@ -2855,53 +2850,6 @@ fn a_frame_committed_while_the_sending_thread_sleeps_is_posted_by_the_committing
         sender: s,
         ..
     } = lending_over_shm("here", 2);
-    let input = s.add_device(3, DropPolicy::DropOldest);
-    let wait = Duration::from_secs(10);
-    let mut want = Vec::new();
-    for index in 0..20u64 {
-        let bytes = Rendered::bytes(index as u8, cap);
-        let mut r = input.reserve(cap, wait).unwrap();
-        r.payload_mut().copy_from_slice(&bytes);
-        assert!(r.commit(meta(index)));
-        want.push((index, bytes));
-        assert!(
-            wait_until(wait, || sink.0.lock().unwrap().len() == want.len()),
-            "frame {index} did not arrive"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    input.end();
-    let report = finish_delivered(s, &receiver, wait);
-    assert_hoarded(&sink, &want);
-    receiver.stop();
-    assert!(
-        report.driven_here >= 10,
-        "of 20 frames committed one at a time, {} were posted on the committing thread: {report:?}",
-        report.driven_here
-    );
-}
-
-/// Over tcp a frame committed on an idle link (nothing queued or in flight, nothing moved for
-/// `IDLE_BEFORE_POSTING_HERE`) is posted by the committing thread itself, without waiting for
-/// the sending thread to be woken first (`SenderReport::driven_here`), and arrives. Frames come
-/// one at a time, each once the one before arrived, 5 ms apart, as a camera's would.
-#[test]
-fn a_frame_committed_on_an_idle_tcp_link_is_posted_by_the_committing_thread() {
-    assert!(rdmastream::engine::IDLE_BEFORE_POSTING_HERE < Duration::from_millis(5));
-    const BLOCK: usize = 64 << 10;
-    let cap = rdmastream::proto::payload_capacity(BLOCK);
-    let listener = tcp::listen("127.0.0.1:0", settings(8, BLOCK, vec![])).unwrap();
-    let addr = listener.local_addr();
-    let (sink, receiver) = hoarding(Box::new(listener));
-    let opts = SenderOptions {
-        name: "idle".into(),
-        key: Some(key()),
-        send_blocks: 4,
-        block_size: BLOCK,
-        in_place_blocks: 2,
-        ..Default::default()
-    };
-    let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr)), 4).unwrap();
     let input = s.add_device(3, DropPolicy::DropOldest);
     let wait = Duration::from_secs(10);
     let mut want = Vec::new();

@@ -9,8 +9,7 @@ pub mod sender;
 pub use driver::{Driver, Turn};
 pub use receiver::{FrameSink, ReceiverHandle, ReceiverOptions, StreamKey};
 pub use sender::{
-    DeviceInput, DropPolicy, IDLE_BEFORE_POSTING_HERE, NotReserved, Reservation, SenderHandle,
-    SenderOptions, SenderReport,
+    DeviceInput, DropPolicy, NotReserved, Reservation, SenderHandle, SenderOptions, SenderReport,
 };
 
 use std::sync::Arc;

@@ -882,10 +882,8 @@ enum ToSending {
 /// completes as it is posted ([`Connection::completes_at_once`]: shm, mem), drives the
 /// connection itself ([`Handoff::send`]): the block's status byte (and, for a block in a send
 /// block, its copy) is then written on that thread, and the sending thread is woken only when
-/// something is left for it. Over tcp ([`Connection::posts_here_when_idle`]) it does so only
-/// on an idle link, and the sending thread is then woken to wait for the completion. One
-/// machine, one connection, one driver either way: only which thread turns it changes
-/// (docs/protocol.md, "Who drives the connection").
+/// something is left for it. One machine, one connection, one driver either way: only which
+/// thread turns it changes (docs/protocol.md, "Who drives the connection").
 struct SendState {
     s: Sending,
     conn: Option<Box<dyn Connection>>,
@@ -897,20 +895,7 @@ struct SendState {
     failed: Option<Error>,
     /// Hand-overs taken in and driven on the handing thread ([`SenderReport::driven_here`]).
     driven_here: u64,
-    /// When a turn last posted or completed something: the link is idle for a handing thread
-    /// to post on ([`Connection::posts_here_when_idle`]) once that is
-    /// [`IDLE_BEFORE_POSTING_HERE`] ago.
-    busy_at: Instant,
 }
-
-/// How long a link ([`Connection::posts_here_when_idle`]: tcp) must have posted and completed
-/// nothing before a thread handing a block over may post it itself. A frame at a camera's pace
-/// then goes out on the thread that made it, without waiting for the sending thread to be woken
-/// and given a CPU: `rdmasink`/`rdmasrc` over tcp at 25 fps, p50 0.93–1.23 → 0.76–0.93 ms in 16
-/// runs in turn (docs/benchmarks.md, "Posting on the handing thread over tcp"). A busy link, whose blocks come
-/// faster than this, stays with the sending thread, which writes while the source makes the next
-/// frame.
-pub const IDLE_BEFORE_POSTING_HERE: Duration = Duration::from_millis(1);
 
 /// Turns a handing thread takes at most on the connection before it lets go (each posts what
 /// the machine has, hands back what completed and lends freed blocks again).
@@ -979,32 +964,15 @@ impl SendState {
                 .turn(&mut self.s.machine, c.as_mut(), &Instant::now, wait)
         });
         self.s.release_freed();
-        if let Ok(t) = &turn
-            && (t.posted > 0 || t.completed > 0)
-        {
-            self.busy_at = Instant::now();
-        }
         if turn.is_ok() {
             self.s.lend(c.as_ref(), lent);
         }
         turn
     }
 
-    /// Whether a handing thread may drive the connection now: always on a connection whose
-    /// work completes as it is posted, on one that posts there when idle only while nothing
-    /// is queued or in flight and nothing moved for [`IDLE_BEFORE_POSTING_HERE`].
+    /// Whether a handing thread may drive the connection now.
     fn drives_here(&self) -> bool {
-        let Some(c) = self.conn.as_ref().filter(|_| self.failed.is_none()) else {
-            return false;
-        };
-        let m = &self.s.machine;
-        c.completes_at_once()
-            || (c.posts_here_when_idle()
-                && m.queued() == 0
-                && m.outstanding() == 0
-                && !m.sync_in_flight()
-                && m.poll_timeout().is_none()
-                && self.busy_at.elapsed() >= IDLE_BEFORE_POSTING_HERE)
+        self.failed.is_none() && self.conn.as_ref().is_some_and(|c| c.completes_at_once())
     }
 
     /// Drives the connection on this (handing) thread: turns until nothing more is posted or
@@ -1117,10 +1085,8 @@ pub struct SenderReport {
     /// connections (as far as the transport counts them).
     pub work: crate::transport::WorkCounts,
     /// Blocks (and other hand-overs) that the thread handing them over took into the sending
-    /// state and posted itself: on connections whose work completes as it is posted (shm, mem;
-    /// see [`Connection::completes_at_once`]) without waking the sending thread, over tcp on an
-    /// idle link ([`Connection::posts_here_when_idle`]), the sending thread woken afterwards to
-    /// wait for the completion.
+    /// state and posted itself, without waking the sending thread: only on connections whose
+    /// work completes as it is posted (shm, mem; see [`Connection::completes_at_once`]).
     pub driven_here: u64,
 }
 
@@ -1219,7 +1185,6 @@ impl SenderHandle {
             done: false,
             failed: None,
             driven_here: 0,
-            busy_at: Instant::now(),
         }));
         let handoff = Handoff {
             tx: filled_tx,

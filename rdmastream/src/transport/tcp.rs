@@ -739,7 +739,6 @@ impl TcpConnector {
             stream,
             pending: Vec::with_capacity(2 * SMALL_WRITE),
             deferred: Vec::with_capacity(MAX_DEFERRED),
-            written: 0,
             blocks: blocks.clone(),
             completions: rx,
             expected_read,
@@ -932,9 +931,6 @@ pub struct TcpConnection {
     pending: Vec<u8>,
     /// Send blocks' data that goes out at `pending[at]` on the next flush, in order.
     deferred: Vec<Deferred>,
-    /// Bytes of what `pending` and `deferred` make up that a flush which could not wait
-    /// already wrote ([`TcpConnection::flush_with`]); 0 when nothing was.
-    written: usize,
     blocks: Arc<SendBlocks>,
     completions: Receiver<Event>,
     /// Length of the READ outstanding (`NO_READ`: none), for the completion reader's check.
@@ -1130,19 +1126,15 @@ impl TcpConnection {
     }
 
     /// Writes what is queued, the deferred send blocks' data in their places, in one writev
-    /// when the socket takes it all. With `wait` false only what the socket takes at once
-    /// (`MSG_DONTWAIT`): the rest stays queued, [`TcpConnection::written`] bytes on, for the
-    /// next flush, which a poll that may wait makes (a thread handing a block over posts on an
-    /// idle link and must not be held up by the network; docs/protocol.md, "Who drives the
-    /// connection").
-    fn flush_with(&mut self, wait: bool) -> Result<()> {
+    /// when the socket takes it all.
+    fn flush(&mut self) -> Result<()> {
         if self.pending.is_empty() && self.deferred.is_empty() {
             return Ok(());
         }
-        let (pending, stream, skip) = (&self.pending, &self.stream, self.written);
+        let (pending, stream) = (&self.pending, &mut self.stream);
         let r = if self.deferred.is_empty() {
             // Only small operations (status bytes, READs, NOPs): no block to gather.
-            write_slices(stream, &mut [std::io::IoSlice::new(pending)], skip, wait)
+            stream.write_all(pending)
         } else {
             with_blocks(&self.blocks, &self.deferred, &[], &mut |data| {
                 let mut slices = Vec::with_capacity(2 * data.len() + 1);
@@ -1153,28 +1145,12 @@ impl TcpConnection {
                     from = d.at;
                 }
                 slices.push(std::io::IoSlice::new(&pending[from..]));
-                write_slices(stream, &mut slices, skip, wait)
+                write_slices(stream, &mut slices)
             })
         };
-        match r {
-            Ok(Written::Partly(n)) => {
-                self.written = n;
-                Ok(())
-            }
-            done => {
-                self.pending.clear();
-                self.deferred.clear();
-                self.written = 0;
-                done.map(|_| ())
-                    .map_err(|e| self.lost(format!("sending: {e}")))
-            }
-        }
-    }
-
-    /// Writes everything queued, waiting for the socket as long as it takes (up to the write
-    /// timeout, the peer timeout).
-    fn flush(&mut self) -> Result<()> {
-        self.flush_with(true)
+        self.pending.clear();
+        self.deferred.clear();
+        r.map_err(|e| self.lost(format!("sending: {e}")))
     }
 
     fn handle(&mut self, event: Event, out: &mut Vec<Completion>) -> Result<()> {
@@ -1231,8 +1207,8 @@ fn with_blocks(
     blocks: &SendBlocks,
     list: &[Deferred],
     got: &[&[u8]],
-    f: &mut dyn FnMut(&[&[u8]]) -> std::io::Result<Written>,
-) -> std::io::Result<Written> {
+    f: &mut dyn FnMut(&[&[u8]]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     match list.split_first() {
         None => f(got),
         Some((d, rest)) => blocks.read(d.index, d.len, |b| {
@@ -1243,52 +1219,22 @@ fn with_blocks(
     }
 }
 
-/// How far a flush got.
-#[derive(Debug, PartialEq, Eq)]
-enum Written {
-    All,
-    /// The socket took this many bytes of the queue (counted from its start) and no more
-    /// without waiting.
-    Partly(usize),
-}
-
-/// Writes `slices` after their first `skip` bytes (written by an earlier flush) with as few
-/// system calls as possible; with `wait` false only what the socket takes without waiting.
+/// Writes `slices` with as few system calls as possible.
 fn write_slices(
-    mut stream: &TcpStream,
+    stream: &mut TcpStream,
     slices: &mut [std::io::IoSlice<'_>],
-    skip: usize,
-    wait: bool,
-) -> std::io::Result<Written> {
-    let total: usize = slices.iter().map(|s| s.len()).sum();
+) -> std::io::Result<()> {
+    let mut left: usize = slices.iter().map(|s| s.len()).sum();
     let mut rest = slices;
-    std::io::IoSlice::advance_slices(&mut rest, skip);
-    let mut done = skip;
-    while done < total {
-        let n = if wait {
-            match stream.write_vectored(rest) {
-                Ok(n) => n,
-                // A signal (the binaries' SIGUSR1 for the summary table) is no failure.
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
-            }
-        } else {
-            use rustix::net::{SendAncillaryBuffer, SendFlags, sendmsg};
-            let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
-            match sendmsg(stream, rest, &mut SendAncillaryBuffer::default(), flags) {
-                Ok(n) => n,
-                Err(rustix::io::Errno::AGAIN) => return Ok(Written::Partly(done)),
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        };
+    while left > 0 {
+        let n = stream.write_vectored(rest)?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
-        done += n;
+        left -= n;
         std::io::IoSlice::advance_slices(&mut rest, n);
     }
-    Ok(Written::All)
+    Ok(())
 }
 
 impl Connection for TcpConnection {
@@ -1306,9 +1252,6 @@ impl Connection for TcpConnection {
     }
     fn completes_at_once(&self) -> bool {
         false
-    }
-    fn posts_here_when_idle(&self) -> bool {
-        true
     }
     fn peer(&self) -> &str {
         &self.peer
@@ -1354,9 +1297,7 @@ impl Connection for TcpConnection {
         if let Some(wr_id) = self.acks.ask() {
             self.queue_nop(wr_id);
         }
-        // A poll that may not wait does not wait for the socket either: what it does not take
-        // at once goes with the next poll (the sending thread's, which waits).
-        self.flush_with(!timeout.is_zero())?;
+        self.flush()?;
         let from = out.len();
         match self.completions.recv_timeout(timeout) {
             Ok(ev) => self.handle(ev, out)?,
@@ -1441,10 +1382,6 @@ impl WindowConnection for TcpWindowConnection {
         )
     }
     fn poll_completions(&mut self, out: &mut Vec<u64>, timeout: Duration) -> Result<()> {
-        // The window's one thread polls every lane without waiting and only then waits on one:
-        // its writes go out whole here, as they always did (only the status-byte sender's
-        // handing threads post without waiting for the socket).
-        self.inner.flush()?;
         let mut done = Vec::new();
         Connection::poll_completions(&mut self.inner, &mut done, timeout)?;
         out.extend(done.iter().map(Completion::wr_id));
@@ -2464,119 +2401,6 @@ mod tests {
             while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
         });
         addr
-    }
-
-    /// A receiver that runs the real handshake for a region of `blocks` blocks of `block_size`
-    /// bytes, then reads nothing until told to (the `Sender`), and then every byte to the end of
-    /// the connection, which come back on the `Receiver`.
-    fn silent_receiver(
-        blocks: u32,
-        block_size: u32,
-    ) -> (
-        String,
-        std::sync::mpsc::Sender<()>,
-        std::sync::mpsc::Receiver<Vec<u8>>,
-    ) {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let (go, wait) = std::sync::mpsc::channel();
-        let (count, counted) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().unwrap();
-            let settings = RegionSettings {
-                access: super::super::AccessControl::new(
-                    super::super::Keys::shared(key()),
-                    4,
-                    crate::proto::Budget::unlimited(),
-                ),
-                ..RegionSettings::plain(blocks as usize, block_size as usize)
-            };
-            let admitted =
-                server_handshake(&mut stream, &settings, DataPath::Tcp, "tcp only", |_, _| {
-                    let welcome = Welcome {
-                        blocks,
-                        block_size,
-                        ..Welcome::refusal("")
-                    };
-                    Ok((welcome, ()))
-                });
-            assert!(admitted.is_ok(), "the handshake failed");
-            let _ = wait.recv();
-            let mut got = Vec::new();
-            let _ = stream.read_to_end(&mut got);
-            let _ = count.send(got);
-        });
-        (addr, go, counted)
-    }
-
-    /// A poll that may not wait (a thread handing a block over posts on an idle link) writes
-    /// only what the socket takes at once, even when the receiver reads nothing: it returns at
-    /// once, and the connection stays up. The next poll that may wait writes the rest, each byte
-    /// once. Before, it waited in the socket for the whole peer timeout and failed.
-    #[test]
-    fn a_poll_that_may_not_wait_leaves_what_the_socket_does_not_take_to_the_next() {
-        const BLOCK: usize = 32 << 20;
-        let blocks = SendBlocks::new(1, BLOCK);
-        blocks.fill(0, |b| b.fill(0x5A));
-        let (addr, go, counted) = silent_receiver(2, BLOCK as u32);
-        let mut conn = TcpConnector::new(addr)
-            .with_peer_timeout(Duration::from_secs(3))
-            .connect(&hello(), Some(&key()), &blocks)
-            .unwrap();
-        let chain = [
-            WriteWr {
-                source: WriteSource::SendBlock {
-                    index: 0,
-                    len: BLOCK,
-                },
-                remote: RemoteAddr {
-                    target: Target::Blocks,
-                    offset: 0,
-                },
-                signaled: false,
-            },
-            WriteWr {
-                source: WriteSource::Inline(&[crate::proto::status::FULL]),
-                remote: RemoteAddr {
-                    target: Target::Statuses,
-                    offset: 0,
-                },
-                signaled: true,
-            },
-        ];
-        conn.post_write_chain(1, &chain).unwrap();
-        let mut done = Vec::new();
-        // 32 MiB is more than a loopback socket's buffers on both ends hold.
-        conn.poll_completions(&mut done, Duration::ZERO)
-            .expect("a poll that may not wait does not wait for the socket");
-        assert!(done.is_empty());
-        go.send(()).unwrap();
-        // This receiver answers nothing: the poll only writes.
-        conn.poll_completions(&mut done, Duration::from_millis(20))
-            .unwrap();
-        drop(conn);
-        // On the wire: the chain, each byte once, then at most NOPs (the ask for its
-        // acknowledgement).
-        let wire = counted.recv_timeout(Duration::from_secs(20)).unwrap();
-        let op = |at: usize| OpHeader::decode(wire[at..at + OP_HEADER].try_into().unwrap());
-        let (write, data) = (op(0), &wire[OP_HEADER..OP_HEADER + BLOCK]);
-        assert_eq!((write.op, write.len as usize), (OP_WRITE, BLOCK));
-        assert!(data.iter().all(|&b| b == 0x5A), "the block's data");
-        let status = op(OP_HEADER + BLOCK);
-        assert_eq!((status.op, status.len), (OP_WRITE, 1));
-        let mut at = 2 * OP_HEADER + BLOCK;
-        assert_eq!(wire[at], crate::proto::status::FULL);
-        at += 1;
-        while at < wire.len() {
-            assert_eq!(
-                op(at).op,
-                OP_NOP,
-                "after the chain, at byte {at} of {}",
-                wire.len()
-            );
-            at += OP_HEADER;
-        }
-        assert_eq!(at, wire.len());
     }
 
     fn notice(device: u8, len: usize) -> Vec<u8> {
