@@ -13,9 +13,16 @@ import struct
 import sys
 import time
 
-frames = int(sys.argv[1]) if len(sys.argv) > 1 else 100
-size = int(sys.argv[2]) if len(sys.argv) > 2 else 921600
-fps = float(sys.argv[3]) if len(sys.argv) > 3 else 25.0
+try:
+    frames = int(sys.argv[1]) if len(sys.argv) > 1 else 100
+    size = int(sys.argv[2]) if len(sys.argv) > 2 else 921600
+    fps = float(sys.argv[3]) if len(sys.argv) > 3 else 25.0
+except ValueError as e:
+    sys.exit("usage: tcp-frame-latency.py [FRAMES] [BYTES] [FPS]: %s" % e)
+if frames < 1 or size < 8 or not 0 < fps <= 10000:
+    # Each frame carries its 8-byte send time.
+    sys.exit("tcp-frame-latency.py: FRAMES >= 1, BYTES >= 8 and FPS in (0, 10000], got %s %s %s"
+             % (frames, size, fps))
 
 listener = socket.socket()
 listener.bind(("127.0.0.1", 0))
@@ -42,7 +49,9 @@ if os.fork() == 0:
         sys.exit("tcp-frame-latency: no frame arrived")
     print(
         "plain TCP, %d frames of %d bytes at %g fps: p50 %.3f ms, p99 %.3f ms"
-        % (len(lat), size, fps, lat[len(lat) // 2] * 1e3, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3)
+        % (len(lat), size, fps, lat[len(lat) // 2] * 1e3, lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3),
+        # os._exit skips Python's exit, which would flush a piped stdout.
+        flush=True,
     )
     os._exit(0)
 
