@@ -1219,18 +1219,23 @@ fn with_blocks(
     }
 }
 
-/// Writes `slices` with as few system calls as possible.
+/// Writes `slices` with as few system calls as possible. A writev a signal interrupted before
+/// it took a byte is tried again, as `write_all` does for the small operations' flush: a
+/// handler installed without `SA_RESTART` (an application's, in the GStreamer elements'
+/// process) must not end the connection.
 fn write_slices(
-    stream: &mut TcpStream,
+    stream: &mut impl Write,
     slices: &mut [std::io::IoSlice<'_>],
 ) -> std::io::Result<()> {
     let mut left: usize = slices.iter().map(|s| s.len()).sum();
     let mut rest = slices;
     while left > 0 {
-        let n = stream.write_vectored(rest)?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
+        let n = match stream.write_vectored(rest) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
         left -= n;
         std::io::IoSlice::advance_slices(&mut rest, n);
     }
@@ -2306,6 +2311,65 @@ pub mod fuzzing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A writer like a socket under signals: every other writev is interrupted before it takes
+    /// a byte, and the others take at most `step` bytes, so writes end inside slices.
+    struct Interrupting {
+        got: Vec<u8>,
+        step: usize,
+        calls: usize,
+        interrupted: usize,
+    }
+
+    impl Write for Interrupting {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.write_vectored(&[std::io::IoSlice::new(buf)])
+        }
+        fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+            self.calls += 1;
+            if self.calls % 2 == 1 {
+                self.interrupted += 1;
+                return Err(std::io::ErrorKind::Interrupted.into());
+            }
+            let mut room = self.step;
+            for b in bufs {
+                let n = b.len().min(room);
+                self.got.extend_from_slice(&b[..n]);
+                room -= n;
+                if room == 0 {
+                    break;
+                }
+            }
+            Ok(self.step - room)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_gathered_write_interrupted_by_signals_still_sends_every_byte_in_order() {
+        let parts: Vec<Vec<u8>> = (0..5u8)
+            .map(|i| {
+                (0..(17 * usize::from(i) + 3))
+                    .map(|j| i ^ j as u8)
+                    .collect()
+            })
+            .collect();
+        let want: Vec<u8> = parts.concat();
+        for step in [1, 7, 64, 1000] {
+            let mut w = Interrupting {
+                got: Vec::new(),
+                step,
+                calls: 0,
+                interrupted: 0,
+            };
+            let mut slices: Vec<_> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
+            write_slices(&mut w, &mut slices).expect("an interrupted writev is tried again");
+            assert_eq!(w.got, want, "step {step}");
+            assert!(w.interrupted > 0, "step {step}: nothing was interrupted");
+        }
+    }
 
     /// A handshake read from a peer that is not ours says so, quoting its first bytes escaped
     /// (an SSH server's banner, with a control byte a peer could use on a terminal), and one
