@@ -271,12 +271,20 @@ pub fn send_fd(stream: &UnixStream, fd: BorrowedFd<'_>) -> io::Result<()> {
     if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
         return Err(io::Error::other("no room for the file descriptor"));
     }
-    let sent = rustix::net::sendmsg(
-        stream,
-        &[io::IoSlice::new(&[FD_MARK])],
-        &mut control,
-        SendFlags::NOSIGNAL,
-    )?;
+    // A signal before the byte went out leaves the descriptor unsent: send again, as
+    // `recv_fd` receives again.
+    let sent = loop {
+        match rustix::net::sendmsg(
+            stream,
+            &[io::IoSlice::new(&[FD_MARK])],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            Ok(n) => break n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
     if sent != 1 {
         return Err(io::ErrorKind::WriteZero.into());
     }
