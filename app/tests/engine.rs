@@ -176,7 +176,9 @@ fn tcp_transport_delivers_every_frame_verified_with_a_retained_block() {
     // The tcp transport counts what the status-byte sender posted: a WRITE chain of two work
     // requests per block and one READ per sync, on one completion queue.
     let (m, w) = (report.machine, report.work);
-    // The emulated NIC completes work on its own thread: only the sending thread drives it.
+    // Pushed frames go through the filling thread, which leaves their posts to the sending
+    // thread (a committing source's frame on an idle link is posted where it was made:
+    // `a_frame_committed_on_an_idle_tcp_link_is_posted_by_the_committing_thread`).
     assert_eq!(report.driven_here, 0);
     assert_eq!(w.send_wrs, 2 * m.writes + m.syncs, "{w:?} {m:?}");
     assert_eq!(w.recv_wrs, 0);
@@ -1117,6 +1119,9 @@ impl rdmastream::transport::Connection for FailingConnection {
     }
     fn completes_at_once(&self) -> bool {
         self.inner.completes_at_once()
+    }
+    fn posts_here_when_idle(&self) -> bool {
+        self.inner.posts_here_when_idle()
     }
 }
 
@@ -2874,6 +2879,76 @@ fn a_frame_committed_while_the_sending_thread_sleeps_is_posted_by_the_committing
         "of 20 frames committed one at a time, {} were posted on the committing thread: {report:?}",
         report.driven_here
     );
+}
+
+/// Over tcp a frame committed on an idle link (nothing queued or in flight, nothing moved for
+/// `IDLE_BEFORE_POSTING_HERE`) by a sender's lone device is posted by the committing thread
+/// itself, without waiting for the sending thread to be woken first
+/// (`SenderReport::driven_here`), and arrives. Frames come one at a time, each once the one
+/// before arrived, 5 ms apart, as a camera's would.
+#[test]
+fn a_frame_committed_on_an_idle_tcp_link_is_posted_by_the_committing_thread() {
+    assert!(rdmastream::engine::IDLE_BEFORE_POSTING_HERE < Duration::from_millis(5));
+    let report = commit_one_at_a_time_over_tcp(1);
+    assert!(
+        report.driven_here >= 10,
+        "of 20 frames committed one at a time, {} were posted on the committing thread: {report:?}",
+        report.driven_here
+    );
+}
+
+/// The same with a second device on the sender (silent here): no frame is posted on the
+/// committing thread. With a dozen cameras each posting on its own thread, one held the
+/// connection through its writev while the others' frames waited, and the demo's p99 rose
+/// (docs/benchmarks.md, "Posting on the handing thread over tcp").
+#[test]
+fn with_two_devices_no_frame_is_posted_by_the_committing_thread_over_tcp() {
+    let report = commit_one_at_a_time_over_tcp(2);
+    assert_eq!(report.driven_here, 0, "{report:?}");
+}
+
+/// Commits 20 frames from the first of `devices` devices over tcp, one at a time, each once the
+/// one before arrived, 5 ms apart, checks they all arrived intact and returns the report.
+fn commit_one_at_a_time_over_tcp(devices: u8) -> rdmastream::engine::SenderReport {
+    const BLOCK: usize = 64 << 10;
+    let cap = rdmastream::proto::payload_capacity(BLOCK);
+    let listener = tcp::listen("127.0.0.1:0", settings(8, BLOCK, vec![])).unwrap();
+    let addr = listener.local_addr();
+    let (sink, receiver) = hoarding(Box::new(listener));
+    let opts = SenderOptions {
+        name: "idle".into(),
+        key: Some(key()),
+        send_blocks: 4,
+        block_size: BLOCK,
+        in_place_blocks: 2,
+        ..Default::default()
+    };
+    let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr)), 4).unwrap();
+    let inputs: Vec<_> = (0..devices)
+        .map(|d| s.add_device(3 + d, DropPolicy::DropOldest))
+        .collect();
+    let input = &inputs[0];
+    let wait = Duration::from_secs(10);
+    let mut want = Vec::new();
+    for index in 0..20u64 {
+        let bytes = Rendered::bytes(index as u8, cap);
+        let mut r = input.reserve(cap, wait).unwrap();
+        r.payload_mut().copy_from_slice(&bytes);
+        assert!(r.commit(meta(index)));
+        want.push((index, bytes));
+        assert!(
+            wait_until(wait, || sink.0.lock().unwrap().len() == want.len()),
+            "frame {index} did not arrive"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for input in &inputs {
+        input.end();
+    }
+    let report = finish_delivered(s, &receiver, wait);
+    assert_hoarded(&sink, &want);
+    receiver.stop();
+    report
 }
 
 /// Frames pushed and frames committed in turn, from one thread, keep their order: a committed

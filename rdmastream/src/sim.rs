@@ -371,6 +371,9 @@ impl Connection for SimConnection {
     fn completes_at_once(&self) -> bool {
         false
     }
+    fn posts_here_when_idle(&self) -> bool {
+        false
+    }
     fn peer(&self) -> &str {
         "simulated receiver"
     }

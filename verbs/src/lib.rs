@@ -887,6 +887,9 @@ impl Connection for VerbsConnection {
     fn completes_at_once(&self) -> bool {
         false
     }
+    fn posts_here_when_idle(&self) -> bool {
+        false
+    }
     fn take_notices(&mut self) -> Vec<Notice> {
         self.side_state.take_notices()
     }

@@ -602,6 +602,10 @@ impl Connection for ShmConnection {
     fn completes_at_once(&self) -> bool {
         true
     }
+    /// Covered by [`Connection::completes_at_once`].
+    fn posts_here_when_idle(&self) -> bool {
+        false
+    }
     fn cache_budget(&self) -> Option<usize> {
         self.cache_budget
     }

@@ -228,6 +228,9 @@ impl Connection for Counted {
     fn completes_at_once(&self) -> bool {
         self.inner.completes_at_once()
     }
+    fn posts_here_when_idle(&self) -> bool {
+        self.inner.posts_here_when_idle()
+    }
 }
 
 /// The status-byte mechanism between a connector and a listener.

@@ -9,7 +9,8 @@ pub mod sender;
 pub use driver::{Driver, Turn};
 pub use receiver::{FrameSink, ReceiverHandle, ReceiverOptions, StreamKey};
 pub use sender::{
-    DeviceInput, DropPolicy, NotReserved, Reservation, SenderHandle, SenderOptions, SenderReport,
+    DeviceInput, DropPolicy, IDLE_BEFORE_POSTING_HERE, NotReserved, Reservation, SenderHandle,
+    SenderOptions, SenderReport,
 };
 
 use std::sync::Arc;

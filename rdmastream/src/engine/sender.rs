@@ -882,8 +882,11 @@ enum ToSending {
 /// completes as it is posted ([`Connection::completes_at_once`]: shm, mem), drives the
 /// connection itself ([`Handoff::send`]): the block's status byte (and, for a block in a send
 /// block, its copy) is then written on that thread, and the sending thread is woken only when
-/// something is left for it. One machine, one connection, one driver either way: only which
-/// thread turns it changes (docs/protocol.md, "Who drives the connection").
+/// something is left for it. Over tcp ([`Connection::posts_here_when_idle`]) it does so only
+/// for a sender's lone device on an idle link, and the sending thread is then woken to wait for
+/// the completion. One
+/// machine, one connection, one driver either way: only which thread turns it changes
+/// (docs/protocol.md, "Who drives the connection").
 struct SendState {
     s: Sending,
     conn: Option<Box<dyn Connection>>,
@@ -895,7 +898,25 @@ struct SendState {
     failed: Option<Error>,
     /// Hand-overs taken in and driven on the handing thread ([`SenderReport::driven_here`]).
     driven_here: u64,
+    /// When a turn last posted or completed something: the link is idle for a handing thread
+    /// to post on ([`Connection::posts_here_when_idle`]) once that is
+    /// [`IDLE_BEFORE_POSTING_HERE`] ago.
+    busy_at: Instant,
+    /// Devices added to this sender ([`SenderHandle::add_device_with`]): over tcp a handing
+    /// thread posts only for a lone device ([`SendState::drives_here`]).
+    devices: Arc<AtomicUsize>,
 }
+
+/// How long a link ([`Connection::posts_here_when_idle`]: tcp) must have posted and completed
+/// nothing before a thread handing a block of a sender's lone device over may post it itself. A
+/// frame at a camera's pace then goes out on the thread that made it, without waiting for the
+/// sending thread to be woken and given a CPU: `rdmasink`/`rdmasrc` over tcp at 25 fps, p50
+/// 1.19–1.70 → 0.95–1.23 ms, lower in 10 of 10 runs in turn (docs/benchmarks.md, "Posting on
+/// the handing thread over tcp"). A busy link, whose blocks come faster than this, stays with
+/// the sending thread, which writes while the source makes the next frame; so do senders of
+/// several devices, where a source holding the connection through its writev held the others'
+/// frames up (the demo's twelve cameras).
+pub const IDLE_BEFORE_POSTING_HERE: Duration = Duration::from_millis(1);
 
 /// Turns a handing thread takes at most on the connection before it lets go (each posts what
 /// the machine has, hands back what completed and lends freed blocks again).
@@ -964,15 +985,34 @@ impl SendState {
                 .turn(&mut self.s.machine, c.as_mut(), &Instant::now, wait)
         });
         self.s.release_freed();
+        if let Ok(t) = &turn
+            && (t.posted > 0 || t.completed > 0)
+        {
+            self.busy_at = Instant::now();
+        }
         if turn.is_ok() {
             self.s.lend(c.as_ref(), lent);
         }
         turn
     }
 
-    /// Whether a handing thread may drive the connection now.
+    /// Whether a handing thread may drive the connection now: always on a connection whose
+    /// work completes as it is posted, on one that posts there when idle only for a sender of
+    /// one device, while nothing is queued or in flight and nothing moved for
+    /// [`IDLE_BEFORE_POSTING_HERE`].
     fn drives_here(&self) -> bool {
-        self.failed.is_none() && self.conn.as_ref().is_some_and(|c| c.completes_at_once())
+        let Some(c) = self.conn.as_ref().filter(|_| self.failed.is_none()) else {
+            return false;
+        };
+        let m = &self.s.machine;
+        c.completes_at_once()
+            || (c.posts_here_when_idle()
+                && m.queued() == 0
+                && m.outstanding() == 0
+                && !m.sync_in_flight()
+                && m.poll_timeout().is_none()
+                && self.devices.load(Ordering::Relaxed) <= 1
+                && self.busy_at.elapsed() >= IDLE_BEFORE_POSTING_HERE)
     }
 
     /// Drives the connection on this (handing) thread: turns until nothing more is posted or
@@ -1085,8 +1125,10 @@ pub struct SenderReport {
     /// connections (as far as the transport counts them).
     pub work: crate::transport::WorkCounts,
     /// Blocks (and other hand-overs) that the thread handing them over took into the sending
-    /// state and posted itself, without waking the sending thread: only on connections whose
-    /// work completes as it is posted (shm, mem; see [`Connection::completes_at_once`]).
+    /// state and posted itself: on connections whose work completes as it is posted (shm, mem;
+    /// see [`Connection::completes_at_once`]) without waking the sending thread, over tcp for a
+    /// sender's lone device on an idle link ([`Connection::posts_here_when_idle`]), the sending
+    /// thread woken afterwards to wait for the completion.
     pub driven_here: u64,
 }
 
@@ -1109,6 +1151,8 @@ pub struct SenderHandle {
     in_place_blocks: usize,
     lent: LentBlocks,
     direct: Direct,
+    /// Devices added ([`SendState::devices`]).
+    devices: Arc<AtomicUsize>,
 }
 
 impl SenderHandle {
@@ -1170,6 +1214,7 @@ impl SenderHandle {
         // connector's transport decides how (docs/protocol.md, "Seal by transport").
         let placement = connector.placement();
         let counters = Arc::new(Registry::default());
+        let devices = Arc::new(AtomicUsize::new(0));
         let state = Arc::new(parking_lot::Mutex::new(SendState {
             s: Sending {
                 machine: SenderMachine::new(opts.max_outstanding),
@@ -1185,6 +1230,8 @@ impl SenderHandle {
             done: false,
             failed: None,
             driven_here: 0,
+            busy_at: Instant::now(),
+            devices: devices.clone(),
         }));
         let handoff = Handoff {
             tx: filled_tx,
@@ -1271,6 +1318,7 @@ impl SenderHandle {
             in_place_blocks,
             lent,
             direct,
+            devices,
         })
     }
 
@@ -1283,6 +1331,7 @@ impl SenderHandle {
     /// (acknowledged end to end: the receiver confirms every message once it is durably handed
     /// on, and the sender keeps it until then; `block` devices are, by [`Self::add_device`]).
     pub fn add_device_with(&self, device: u8, policy: DropPolicy, reliable: bool) -> DeviceInput {
+        self.devices.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = crossbeam_channel::bounded(self.queue_depth);
         let queue = Arc::new(QueueState::default());
         if let Some(c) = &self.control {

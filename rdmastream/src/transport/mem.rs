@@ -242,6 +242,10 @@ impl Connection for MemConnection {
     fn completes_at_once(&self) -> bool {
         true
     }
+    /// Covered by [`Connection::completes_at_once`].
+    fn posts_here_when_idle(&self) -> bool {
+        false
+    }
     fn peer(&self) -> &str {
         &self.peer
     }

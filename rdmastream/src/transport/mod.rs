@@ -183,6 +183,16 @@ pub trait Connection: Send {
     /// stored without waking the sending thread (docs/protocol.md, "Who drives the
     /// connection"). No default, for the same reason as [`Connection::syncs_early`].
     fn completes_at_once(&self) -> bool;
+    /// Whether a thread that hands the sending thread a block may post it itself while the link
+    /// is idle (nothing queued, nothing in flight, and no post or completion for
+    /// [`crate::engine::IDLE_BEFORE_POSTING_HERE`]) and the sender has one device, leaving the sending thread only the wait
+    /// for its completion: tcp, where a frame at a camera's pace otherwise waited for the
+    /// sending thread to be woken and given a CPU before its writev, and where a poll that may
+    /// not wait does not wait for the socket either (docs/protocol.md, "Who drives the
+    /// connection"). Not verbs, whose posts cost no copy and whose sender stays the paper's until
+    /// this is measured on a real NIC; shm and mem go further ([`Connection::completes_at_once`]).
+    /// No default, for the same reason as [`Connection::syncs_early`].
+    fn posts_here_when_idle(&self) -> bool;
 }
 
 /// The address scheme of the shm transport, `unix:/path/of/the/socket`: defined here, where

@@ -229,6 +229,9 @@ impl Connection for ObservedConnection {
     fn completes_at_once(&self) -> bool {
         self.inner.completes_at_once()
     }
+    fn posts_here_when_idle(&self) -> bool {
+        self.inner.posts_here_when_idle()
+    }
 }
 
 impl Drop for ObservedConnection {

@@ -739,6 +739,7 @@ impl TcpConnector {
             stream,
             pending: Vec::with_capacity(2 * SMALL_WRITE),
             deferred: Vec::with_capacity(MAX_DEFERRED),
+            written: 0,
             blocks: blocks.clone(),
             completions: rx,
             expected_read,
@@ -931,6 +932,9 @@ pub struct TcpConnection {
     pending: Vec<u8>,
     /// Send blocks' data that goes out at `pending[at]` on the next flush, in order.
     deferred: Vec<Deferred>,
+    /// Bytes of what `pending` and `deferred` make up that a flush which could not wait
+    /// already wrote ([`TcpConnection::flush_with`]); 0 when nothing was.
+    written: usize,
     blocks: Arc<SendBlocks>,
     completions: Receiver<Event>,
     /// Length of the READ outstanding (`NO_READ`: none), for the completion reader's check.
@@ -1126,15 +1130,19 @@ impl TcpConnection {
     }
 
     /// Writes what is queued, the deferred send blocks' data in their places, in one writev
-    /// when the socket takes it all.
-    fn flush(&mut self) -> Result<()> {
+    /// when the socket takes it all. With `wait` false only what the socket takes at once
+    /// (`MSG_DONTWAIT`): the rest stays queued, [`TcpConnection::written`] bytes on, for the
+    /// next flush, which a poll that may wait makes (a thread handing a block over posts on an
+    /// idle link and must not be held up by the network; docs/protocol.md, "Who drives the
+    /// connection").
+    fn flush_with(&mut self, wait: bool) -> Result<()> {
         if self.pending.is_empty() && self.deferred.is_empty() {
             return Ok(());
         }
-        let (pending, stream) = (&self.pending, &mut self.stream);
+        let (pending, stream, skip) = (&self.pending, &self.stream, self.written);
         let r = if self.deferred.is_empty() {
             // Only small operations (status bytes, READs, NOPs): no block to gather.
-            stream.write_all(pending)
+            write_slices(stream, &mut [std::io::IoSlice::new(pending)], skip, wait)
         } else {
             with_blocks(&self.blocks, &self.deferred, &[], &mut |data| {
                 let mut slices = Vec::with_capacity(2 * data.len() + 1);
@@ -1145,12 +1153,28 @@ impl TcpConnection {
                     from = d.at;
                 }
                 slices.push(std::io::IoSlice::new(&pending[from..]));
-                write_slices(stream, &mut slices)
+                write_slices(stream, &mut slices, skip, wait)
             })
         };
-        self.pending.clear();
-        self.deferred.clear();
-        r.map_err(|e| self.lost(format!("sending: {e}")))
+        match r {
+            Ok(Written::Partly(n)) => {
+                self.written = n;
+                Ok(())
+            }
+            done => {
+                self.pending.clear();
+                self.deferred.clear();
+                self.written = 0;
+                done.map(|_| ())
+                    .map_err(|e| self.lost(format!("sending: {e}")))
+            }
+        }
+    }
+
+    /// Writes everything queued, waiting for the socket as long as it takes (up to the write
+    /// timeout, the peer timeout).
+    fn flush(&mut self) -> Result<()> {
+        self.flush_with(true)
     }
 
     fn handle(&mut self, event: Event, out: &mut Vec<Completion>) -> Result<()> {
@@ -1207,8 +1231,8 @@ fn with_blocks(
     blocks: &SendBlocks,
     list: &[Deferred],
     got: &[&[u8]],
-    f: &mut dyn FnMut(&[&[u8]]) -> std::io::Result<()>,
-) -> std::io::Result<()> {
+    f: &mut dyn FnMut(&[&[u8]]) -> std::io::Result<Written>,
+) -> std::io::Result<Written> {
     match list.split_first() {
         None => f(got),
         Some((d, rest)) => blocks.read(d.index, d.len, |b| {
@@ -1219,27 +1243,71 @@ fn with_blocks(
     }
 }
 
-/// Writes `slices` with as few system calls as possible. A writev a signal interrupted before
-/// it took a byte is tried again, as `write_all` does for the small operations' flush: a
-/// handler installed without `SA_RESTART` (an application's, in the GStreamer elements'
-/// process) must not end the connection.
+/// How far a flush got.
+#[derive(Debug, PartialEq, Eq)]
+enum Written {
+    All,
+    /// The socket took this many bytes of the queue (counted from its start) and no more
+    /// without waiting.
+    Partly(usize),
+}
+
+/// What a flush writes to: a socket, written with a writev that waits (up to the socket's write
+/// timeout) or with a send that does not.
+trait Outlet: Write {
+    /// Writes what the socket takes without waiting (`MSG_DONTWAIT`); `WouldBlock` when it
+    /// takes nothing.
+    fn write_now(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize>;
+}
+
+impl Outlet for &TcpStream {
+    fn write_now(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        use rustix::net::{SendAncillaryBuffer, SendFlags, sendmsg};
+        let flags = SendFlags::DONTWAIT | SendFlags::NOSIGNAL;
+        Ok(sendmsg(
+            &**self,
+            bufs,
+            &mut SendAncillaryBuffer::default(),
+            flags,
+        )?)
+    }
+}
+
+/// Writes `slices` after their first `skip` bytes (written by an earlier flush) with as few
+/// system calls as possible; with `wait` false only what the socket takes without waiting.
+/// A write a signal interrupted before it took a byte is tried again: with a write timeout
+/// set on the socket even a handler installed with `SA_RESTART` (the binaries' SIGUSR1 for the
+/// per-device table) interrupts a writev that waits (signal(7)), and that must not end the
+/// connection.
 fn write_slices(
-    stream: &mut impl Write,
+    mut stream: impl Outlet,
     slices: &mut [std::io::IoSlice<'_>],
-) -> std::io::Result<()> {
-    let mut left: usize = slices.iter().map(|s| s.len()).sum();
+    skip: usize,
+    wait: bool,
+) -> std::io::Result<Written> {
+    let total: usize = slices.iter().map(|s| s.len()).sum();
     let mut rest = slices;
-    while left > 0 {
-        let n = match stream.write_vectored(rest) {
+    std::io::IoSlice::advance_slices(&mut rest, skip);
+    let mut done = skip;
+    while done < total {
+        let r = if wait {
+            stream.write_vectored(rest)
+        } else {
+            stream.write_now(rest)
+        };
+        let n = match r {
             Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if !wait && e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Ok(Written::Partly(done));
+            }
             Err(e) => return Err(e),
         };
-        left -= n;
+        done += n;
         std::io::IoSlice::advance_slices(&mut rest, n);
     }
-    Ok(())
+    Ok(Written::All)
 }
 
 impl Connection for TcpConnection {
@@ -1257,6 +1325,9 @@ impl Connection for TcpConnection {
     }
     fn completes_at_once(&self) -> bool {
         false
+    }
+    fn posts_here_when_idle(&self) -> bool {
+        true
     }
     fn peer(&self) -> &str {
         &self.peer
@@ -1302,7 +1373,9 @@ impl Connection for TcpConnection {
         if let Some(wr_id) = self.acks.ask() {
             self.queue_nop(wr_id);
         }
-        self.flush()?;
+        // A poll that may not wait does not wait for the socket either: what it does not take
+        // at once goes with the next poll (the sending thread's, which waits).
+        self.flush_with(!timeout.is_zero())?;
         let from = out.len();
         match self.completions.recv_timeout(timeout) {
             Ok(ev) => self.handle(ev, out)?,
@@ -1387,6 +1460,10 @@ impl WindowConnection for TcpWindowConnection {
         )
     }
     fn poll_completions(&mut self, out: &mut Vec<u64>, timeout: Duration) -> Result<()> {
+        // The window's one thread polls every lane without waiting and only then waits on one:
+        // its writes go out whole here, as they always did (only the status-byte sender's
+        // handing threads post without waiting for the socket).
+        self.inner.flush()?;
         let mut done = Vec::new();
         Connection::poll_completions(&mut self.inner, &mut done, timeout)?;
         out.extend(done.iter().map(Completion::wr_id));
@@ -2312,38 +2389,54 @@ pub mod fuzzing {
 mod tests {
     use super::*;
 
-    /// A writer like a socket under signals: every other writev is interrupted before it takes
-    /// a byte, and the others take at most `step` bytes, so writes end inside slices.
+    /// A writer like a socket under signals: every other write is interrupted before it takes
+    /// a byte, and the others take at most `step` bytes, so writes end inside slices. Without
+    /// waiting it takes at most `room` bytes in all, then would block.
     struct Interrupting {
         got: Vec<u8>,
         step: usize,
+        room: usize,
         calls: usize,
         interrupted: usize,
     }
 
-    impl Write for Interrupting {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.write_vectored(&[std::io::IoSlice::new(buf)])
-        }
-        fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+    impl Interrupting {
+        fn take(&mut self, bufs: &[std::io::IoSlice<'_>], most: usize) -> std::io::Result<usize> {
             self.calls += 1;
             if self.calls % 2 == 1 {
                 self.interrupted += 1;
                 return Err(std::io::ErrorKind::Interrupted.into());
             }
-            let mut room = self.step;
+            let mut left = most;
             for b in bufs {
-                let n = b.len().min(room);
+                let n = b.len().min(left);
                 self.got.extend_from_slice(&b[..n]);
-                room -= n;
-                if room == 0 {
-                    break;
-                }
+                left -= n;
             }
-            Ok(self.step - room)
+            Ok(most - left)
+        }
+    }
+
+    impl Write for &mut Interrupting {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.write_vectored(&[std::io::IoSlice::new(buf)])
+        }
+        fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+            let step = self.step;
+            self.take(bufs, step)
         }
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
+        }
+    }
+
+    impl Outlet for &mut Interrupting {
+        fn write_now(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+            let most = self.step.min(self.room - self.got.len());
+            if most == 0 {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            self.take(bufs, most)
         }
     }
 
@@ -2358,16 +2451,40 @@ mod tests {
             .collect();
         let want: Vec<u8> = parts.concat();
         for step in [1, 7, 64, 1000] {
+            // A write that waits takes everything, whatever the signals do.
             let mut w = Interrupting {
                 got: Vec::new(),
                 step,
+                room: 0,
                 calls: 0,
                 interrupted: 0,
             };
             let mut slices: Vec<_> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
-            write_slices(&mut w, &mut slices).expect("an interrupted writev is tried again");
+            let done = write_slices(&mut w, &mut slices, 0, true);
+            assert_eq!(
+                done.expect("an interrupted writev is tried again"),
+                Written::All
+            );
             assert_eq!(w.got, want, "step {step}");
             assert!(w.interrupted > 0, "step {step}: nothing was interrupted");
+            // One that may not wait stops where the socket is full and says how far it got; a
+            // flush that waits goes on from there, each byte once.
+            for room in [0, 1, 50, want.len() - 1] {
+                let mut w = Interrupting {
+                    got: Vec::new(),
+                    step,
+                    room,
+                    calls: 0,
+                    interrupted: 0,
+                };
+                let mut slices: Vec<_> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
+                let first = write_slices(&mut w, &mut slices, 0, false).unwrap();
+                assert_eq!(first, Written::Partly(room), "step {step}, room {room}");
+                let mut slices: Vec<_> = parts.iter().map(|p| std::io::IoSlice::new(p)).collect();
+                let rest = write_slices(&mut w, &mut slices, room, true).unwrap();
+                assert_eq!(rest, Written::All);
+                assert_eq!(w.got, want, "step {step}, room {room}");
+            }
         }
     }
 
@@ -2465,6 +2582,119 @@ mod tests {
             while matches!(stream.read(&mut sink), Ok(n) if n > 0) {}
         });
         addr
+    }
+
+    /// A receiver that runs the real handshake for a region of `blocks` blocks of `block_size`
+    /// bytes, then reads nothing until told to (the `Sender`), and then every byte to the end of
+    /// the connection, which come back on the `Receiver`.
+    fn silent_receiver(
+        blocks: u32,
+        block_size: u32,
+    ) -> (
+        String,
+        std::sync::mpsc::Sender<()>,
+        std::sync::mpsc::Receiver<Vec<u8>>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (go, wait) = std::sync::mpsc::channel();
+        let (count, counted) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let settings = RegionSettings {
+                access: super::super::AccessControl::new(
+                    super::super::Keys::shared(key()),
+                    4,
+                    crate::proto::Budget::unlimited(),
+                ),
+                ..RegionSettings::plain(blocks as usize, block_size as usize)
+            };
+            let admitted =
+                server_handshake(&mut stream, &settings, DataPath::Tcp, "tcp only", |_, _| {
+                    let welcome = Welcome {
+                        blocks,
+                        block_size,
+                        ..Welcome::refusal("")
+                    };
+                    Ok((welcome, ()))
+                });
+            assert!(admitted.is_ok(), "the handshake failed");
+            let _ = wait.recv();
+            let mut got = Vec::new();
+            let _ = stream.read_to_end(&mut got);
+            let _ = count.send(got);
+        });
+        (addr, go, counted)
+    }
+
+    /// A poll that may not wait (a thread handing a block over posts on an idle link) writes
+    /// only what the socket takes at once, even when the receiver reads nothing: it returns at
+    /// once, and the connection stays up. The next poll that may wait writes the rest, each byte
+    /// once. Before, it waited in the socket for the whole peer timeout and failed.
+    #[test]
+    fn a_poll_that_may_not_wait_leaves_what_the_socket_does_not_take_to_the_next() {
+        const BLOCK: usize = 32 << 20;
+        let blocks = SendBlocks::new(1, BLOCK);
+        blocks.fill(0, |b| b.fill(0x5A));
+        let (addr, go, counted) = silent_receiver(2, BLOCK as u32);
+        let mut conn = TcpConnector::new(addr)
+            .with_peer_timeout(Duration::from_secs(3))
+            .connect(&hello(), Some(&key()), &blocks)
+            .unwrap();
+        let chain = [
+            WriteWr {
+                source: WriteSource::SendBlock {
+                    index: 0,
+                    len: BLOCK,
+                },
+                remote: RemoteAddr {
+                    target: Target::Blocks,
+                    offset: 0,
+                },
+                signaled: false,
+            },
+            WriteWr {
+                source: WriteSource::Inline(&[crate::proto::status::FULL]),
+                remote: RemoteAddr {
+                    target: Target::Statuses,
+                    offset: 0,
+                },
+                signaled: true,
+            },
+        ];
+        conn.post_write_chain(1, &chain).unwrap();
+        let mut done = Vec::new();
+        // 32 MiB is more than a loopback socket's buffers on both ends hold.
+        conn.poll_completions(&mut done, Duration::ZERO)
+            .expect("a poll that may not wait does not wait for the socket");
+        assert!(done.is_empty());
+        go.send(()).unwrap();
+        // This receiver answers nothing: the poll only writes.
+        conn.poll_completions(&mut done, Duration::from_millis(20))
+            .unwrap();
+        drop(conn);
+        // On the wire: the chain, each byte once, then at most NOPs (the ask for its
+        // acknowledgement).
+        let wire = counted.recv_timeout(Duration::from_secs(20)).unwrap();
+        let op = |at: usize| OpHeader::decode(wire[at..at + OP_HEADER].try_into().unwrap());
+        let (write, data) = (op(0), &wire[OP_HEADER..OP_HEADER + BLOCK]);
+        assert_eq!((write.op, write.len as usize), (OP_WRITE, BLOCK));
+        assert!(data.iter().all(|&b| b == 0x5A), "the block's data");
+        let status = op(OP_HEADER + BLOCK);
+        assert_eq!((status.op, status.len), (OP_WRITE, 1));
+        let mut at = 2 * OP_HEADER + BLOCK;
+        assert_eq!(wire[at], crate::proto::status::FULL);
+        at += 1;
+        while at < wire.len() {
+            assert_eq!(
+                op(at).op,
+                OP_NOP,
+                "after the chain, at byte {at} of {}",
+                wire.len()
+            );
+            at += OP_HEADER;
+        }
+        assert_eq!(at, wire.len());
     }
 
     fn notice(device: u8, len: usize) -> Vec<u8> {
