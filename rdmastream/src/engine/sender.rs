@@ -884,9 +884,8 @@ enum ToSending {
 /// block, its copy) is then written on that thread, and the sending thread is woken only when
 /// something is left for it. Over tcp ([`Connection::posts_here_when_idle`]) it does so only
 /// for a sender's lone device on an idle link, and the sending thread is then woken to wait for
-/// the completion. One
-/// machine, one connection, one driver either way: only which thread turns it changes
-/// (docs/protocol.md, "Who drives the connection").
+/// the completion. One machine, one connection, one driver either way: only which thread turns
+/// it changes (docs/protocol.md, "Who drives the connection").
 struct SendState {
     s: Sending,
     conn: Option<Box<dyn Connection>>,
