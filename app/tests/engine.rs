@@ -2857,19 +2857,7 @@ fn a_frame_committed_while_the_sending_thread_sleeps_is_posted_by_the_committing
     } = lending_over_shm("here", 2);
     let input = s.add_device(3, DropPolicy::DropOldest);
     let wait = Duration::from_secs(10);
-    let mut want = Vec::new();
-    for index in 0..20u64 {
-        let bytes = Rendered::bytes(index as u8, cap);
-        let mut r = input.reserve(cap, wait).unwrap();
-        r.payload_mut().copy_from_slice(&bytes);
-        assert!(r.commit(meta(index)));
-        want.push((index, bytes));
-        assert!(
-            wait_until(wait, || sink.0.lock().unwrap().len() == want.len()),
-            "frame {index} did not arrive"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let want = commit_one_at_a_time(&input, cap, &sink, wait);
     input.end();
     let report = finish_delivered(s, &receiver, wait);
     assert_hoarded(&sink, &want);
@@ -2929,6 +2917,25 @@ fn commit_one_at_a_time_over_tcp(devices: u8) -> rdmastream::engine::SenderRepor
         .collect();
     let input = &inputs[0];
     let wait = Duration::from_secs(10);
+    let want = commit_one_at_a_time(input, cap, &sink, wait);
+    for input in &inputs {
+        input.end();
+    }
+    let report = finish_delivered(s, &receiver, wait);
+    assert_hoarded(&sink, &want);
+    receiver.stop();
+    report
+}
+
+/// Commits 20 frames of `cap` bytes from `input`, one at a time, each once the one before
+/// arrived at `sink` (within `wait`), 5 ms apart, so the sending thread has gone back to sleep
+/// in between; returns them as [`assert_hoarded`] wants them.
+fn commit_one_at_a_time(
+    input: &rdmastream::engine::DeviceInput,
+    cap: usize,
+    sink: &Hoard,
+    wait: Duration,
+) -> Vec<(u64, Vec<u8>)> {
     let mut want = Vec::new();
     for index in 0..20u64 {
         let bytes = Rendered::bytes(index as u8, cap);
@@ -2942,13 +2949,7 @@ fn commit_one_at_a_time_over_tcp(devices: u8) -> rdmastream::engine::SenderRepor
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    for input in &inputs {
-        input.end();
-    }
-    let report = finish_delivered(s, &receiver, wait);
-    assert_hoarded(&sink, &want);
-    receiver.stop();
-    report
+    want
 }
 
 /// Frames pushed and frames committed in turn, from one thread, keep their order: a committed

@@ -2543,6 +2543,28 @@ mod tests {
         Key::new(b"tcp-notice-test-key-01".to_vec()).unwrap()
     }
 
+    /// Runs the real handshake on `stream` as a receiver of `blocks` blocks of `block_size`
+    /// bytes, and admits the sender.
+    fn admit(stream: &mut TcpStream, blocks: u32, block_size: u32) {
+        let settings = RegionSettings {
+            access: super::super::AccessControl::new(
+                super::super::Keys::shared(key()),
+                4,
+                crate::proto::Budget::unlimited(),
+            ),
+            ..RegionSettings::plain(blocks as usize, block_size as usize)
+        };
+        let admitted = server_handshake(stream, &settings, DataPath::Tcp, "tcp only", |_, _| {
+            let welcome = Welcome {
+                blocks,
+                block_size,
+                ..Welcome::refusal("")
+            };
+            Ok((welcome, ()))
+        });
+        assert!(admitted.is_ok(), "the handshake failed");
+    }
+
     /// A receiver that runs the real handshake, then writes `after` raw onto the connection:
     /// what a hostile or broken receiver could send.
     fn hostile_receiver(after: Vec<u8>, then_close: bool) -> String {
@@ -2555,24 +2577,7 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().unwrap();
-            let settings = RegionSettings {
-                access: super::super::AccessControl::new(
-                    super::super::Keys::shared(key()),
-                    4,
-                    crate::proto::Budget::unlimited(),
-                ),
-                ..RegionSettings::plain(blocks as usize, block_size as usize)
-            };
-            let admitted =
-                server_handshake(&mut stream, &settings, DataPath::Tcp, "tcp only", |_, _| {
-                    let welcome = Welcome {
-                        blocks,
-                        block_size,
-                        ..Welcome::refusal("")
-                    };
-                    Ok((welcome, ()))
-                });
-            assert!(admitted.is_ok(), "the handshake failed");
+            admit(&mut stream, blocks, block_size);
             stream.write_all(&after).unwrap();
             if then_close {
                 return;
@@ -2601,24 +2606,7 @@ mod tests {
         let (count, counted) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             let (mut stream, _) = listener.accept().unwrap();
-            let settings = RegionSettings {
-                access: super::super::AccessControl::new(
-                    super::super::Keys::shared(key()),
-                    4,
-                    crate::proto::Budget::unlimited(),
-                ),
-                ..RegionSettings::plain(blocks as usize, block_size as usize)
-            };
-            let admitted =
-                server_handshake(&mut stream, &settings, DataPath::Tcp, "tcp only", |_, _| {
-                    let welcome = Welcome {
-                        blocks,
-                        block_size,
-                        ..Welcome::refusal("")
-                    };
-                    Ok((welcome, ()))
-                });
-            assert!(admitted.is_ok(), "the handshake failed");
+            admit(&mut stream, blocks, block_size);
             let _ = wait.recv();
             let mut got = Vec::new();
             let _ = stream.read_to_end(&mut got);
