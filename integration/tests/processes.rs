@@ -565,6 +565,18 @@ fn bad_config_names_file_key_and_reason() {
             "{flags:?}: {err:?} should blame {flag}, not the file"
         );
     }
+    // An address that parses but cannot be listened on names the flag and the address.
+    let nowhere = tmp.path().join("no-such-dir/rx.sock");
+    let nowhere = format!("unix:{}", nowhere.display());
+    let (code, err) = exits(
+        "receiver",
+        &["--config", good.to_str().unwrap(), "--listen", &nowhere],
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("--listen") && err.contains(&format!("cannot listen on {nowhere}")),
+        "{err:?} should name --listen and {nowhere}"
+    );
     // A file that leaves `name` and `receiver` to the flags: the sender runs with them (it
     // tries the receiver, which is not there, and says so naming the flag's address).
     let devices_only = write(

@@ -94,7 +94,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         port: cfg.ib_port,
         gid_index: cfg.gid_index,
     };
-    let (kind, listener) = rdmastream_verbs::listener(&cfg.transport, &cfg.listen, region, &verbs)?;
+    let (kind, listener) = rdmastream_verbs::listener(&cfg.transport, &cfg.listen, region, &verbs)
+        .context("the listen address (`listen`, --listen)")?;
     let files =
         Arc::new(DirectorySink::new(sink_opts).context("the output directory (`out`, --out)")?);
     let sink = files.clone();
