@@ -325,7 +325,7 @@ pub fn sender(
     let in_place: u64 = all.iter().map(|(_, c)| get(&c.in_place)).sum();
     observer.log_table();
     tracing::info!(
-        "done after {:.1}s: {total} frames written ({in_place} written in place by their sources, {} of them straight into the receiver's memory), {drops} dropped, {} write chains ({} posted by the thread that made the frame), {} syncs ({} found nothing free, retained-skipped {}), {} connections, {} blocks unsent",
+        "done after {:.1}s: {total} frames written ({in_place} written in place by their sources, {} of them straight into the receiver's memory), {drops} dropped, {} write chains ({} posted by the thread handing the block over, not the sending thread), {} syncs ({} found nothing free, retained-skipped {}), {} connections, {} blocks unsent",
         started.elapsed().as_secs_f64(),
         report.machine.placed,
         report.machine.writes,

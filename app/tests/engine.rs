@@ -2877,7 +2877,7 @@ fn a_frame_committed_while_the_sending_thread_sleeps_is_posted_by_the_committing
 #[test]
 fn a_frame_committed_on_an_idle_tcp_link_is_posted_by_the_committing_thread() {
     assert!(rdmastream::engine::IDLE_BEFORE_POSTING_HERE < Duration::from_millis(5));
-    let report = commit_one_at_a_time_over_tcp(1);
+    let report = commit_one_at_a_time_over_tcp(1, false);
     assert!(
         report.driven_here >= 10,
         "of 20 frames committed one at a time, {} were posted on the committing thread: {report:?}",
@@ -2891,13 +2891,29 @@ fn a_frame_committed_on_an_idle_tcp_link_is_posted_by_the_committing_thread() {
 /// (docs/benchmarks.md, "Posting on the handing thread over tcp").
 #[test]
 fn with_two_devices_no_frame_is_posted_by_the_committing_thread_over_tcp() {
-    let report = commit_one_at_a_time_over_tcp(2);
+    let report = commit_one_at_a_time_over_tcp(2, false);
     assert_eq!(report.driven_here, 0, "{report:?}");
 }
 
-/// Commits 20 frames from the first of `devices` devices over tcp, one at a time, each once the
-/// one before arrived, 5 ms apart, checks they all arrived intact and returns the report.
-fn commit_one_at_a_time_over_tcp(devices: u8) -> rdmastream::engine::SenderReport {
+/// A lone lossless device's frames always go through the filling thread (they are kept until
+/// confirmed); on an idle tcp link it posts them itself instead of waking the sending thread,
+/// and every frame arrives. With a second device it leaves them to the sending thread.
+#[test]
+fn a_lone_lossless_devices_frame_on_an_idle_tcp_link_is_posted_by_the_filling_thread() {
+    let report = commit_one_at_a_time_over_tcp(1, true);
+    assert!(
+        report.driven_here >= 10,
+        "of 20 lossless frames one at a time, {} were posted on the filling thread: {report:?}",
+        report.driven_here
+    );
+    let report = commit_one_at_a_time_over_tcp(2, true);
+    assert_eq!(report.driven_here, 0, "{report:?}");
+}
+
+/// Commits 20 frames from the first of `devices` devices (lossless ones if `reliable`) over tcp,
+/// one at a time, each once the one before arrived, 5 ms apart, checks they all arrived intact
+/// and returns the report.
+fn commit_one_at_a_time_over_tcp(devices: u8, reliable: bool) -> rdmastream::engine::SenderReport {
     const BLOCK: usize = 64 << 10;
     let cap = rdmastream::proto::payload_capacity(BLOCK);
     let listener = tcp::listen("127.0.0.1:0", settings(8, BLOCK, vec![])).unwrap();
@@ -2913,7 +2929,10 @@ fn commit_one_at_a_time_over_tcp(devices: u8) -> rdmastream::engine::SenderRepor
     };
     let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr)), 4).unwrap();
     let inputs: Vec<_> = (0..devices)
-        .map(|d| s.add_device(3 + d, DropPolicy::DropOldest))
+        .map(|d| match reliable {
+            true => s.add_device_with(3 + d, DropPolicy::Block, true),
+            false => s.add_device(3 + d, DropPolicy::DropOldest),
+        })
         .collect();
     let input = &inputs[0];
     let wait = Duration::from_secs(10);

@@ -1014,6 +1014,12 @@ impl SendState {
                 && self.busy_at.elapsed() >= IDLE_BEFORE_POSTING_HERE)
     }
 
+    /// Whether [`SendState::drives_here`] holds because the link is idle (tcp, a lone device),
+    /// not because its work completes as it is posted.
+    fn on_idle_link(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| !c.completes_at_once())
+    }
+
     /// Drives the connection on this (handing) thread: turns until nothing more is posted or
     /// completed, gives freed blocks back and lends receiver's blocks. True when the sending
     /// thread has something to do: an error to act on, a retry or a completion to wait for,
@@ -1081,13 +1087,21 @@ struct Handoff {
 
 impl Handoff {
     /// Hands `ev` over. False once the sender stopped.
+    ///
+    /// The filling thread posts a block itself only where that costs no second copy in a row:
+    /// blocks already in the receiver's memory while nothing is queued, and over tcp a lone
+    /// device's block on an idle link ([`SendState::drives_here`]), where the writev is the
+    /// only copy left and nothing else waits for the filling thread (a lossless device's
+    /// frames, which always come this way, then skip the sending thread's wake-up too).
     fn send(&self, ev: ToSending) -> bool {
         let needs_no_copy = matches!(ev, ToSending::Placed { .. } | ToSending::Returned(_));
-        if (self.copies_here || needs_no_copy)
+        if (self.copies_here || needs_no_copy || matches!(ev, ToSending::Block(_)))
             && self.tx.is_empty()
             && let Some(mut state) = self.state.try_lock()
             && state.drives_here()
-            && (self.copies_here || state.s.machine.queued() == 0)
+            && (self.copies_here
+                || (needs_no_copy && state.s.machine.queued() == 0)
+                || state.on_idle_link())
         {
             state.intake(ev);
             state.driven_here += 1;
