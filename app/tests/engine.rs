@@ -2877,7 +2877,7 @@ fn a_frame_committed_while_the_sending_thread_sleeps_is_posted_by_the_committing
 #[test]
 fn a_frame_committed_on_an_idle_tcp_link_is_posted_by_the_committing_thread() {
     assert!(rdmastream::engine::IDLE_BEFORE_POSTING_HERE < Duration::from_millis(5));
-    let report = commit_one_at_a_time_over_tcp(1, false);
+    let report = one_at_a_time_over_tcp(1, false);
     assert!(
         report.driven_here >= 10,
         "of 20 frames committed one at a time, {} were posted on the committing thread: {report:?}",
@@ -2891,29 +2891,31 @@ fn a_frame_committed_on_an_idle_tcp_link_is_posted_by_the_committing_thread() {
 /// (docs/benchmarks.md, "Posting on the handing thread over tcp").
 #[test]
 fn with_two_devices_no_frame_is_posted_by_the_committing_thread_over_tcp() {
-    let report = commit_one_at_a_time_over_tcp(2, false);
+    let report = one_at_a_time_over_tcp(2, false);
     assert_eq!(report.driven_here, 0, "{report:?}");
 }
 
-/// A lone lossless device's frames always go through the filling thread (they are kept until
-/// confirmed); on an idle tcp link it posts them itself instead of waking the sending thread,
-/// and every frame arrives. With a second device it leaves them to the sending thread.
+/// A lossless device's pushed frames go through the filling thread, which copies them into send
+/// blocks; on an idle tcp link with one device it then posts the block itself instead of waking
+/// the sending thread, and every frame arrives. With a second device it leaves them to the
+/// sending thread.
 #[test]
-fn a_lone_lossless_devices_frame_on_an_idle_tcp_link_is_posted_by_the_filling_thread() {
-    let report = commit_one_at_a_time_over_tcp(1, true);
+fn a_lone_lossless_devices_pushed_frame_on_an_idle_tcp_link_is_posted_by_the_filling_thread() {
+    let report = one_at_a_time_over_tcp(1, true);
     assert!(
         report.driven_here >= 10,
-        "of 20 lossless frames one at a time, {} were posted on the filling thread: {report:?}",
+        "of 20 lossless frames pushed one at a time, {} were posted on the filling thread: {report:?}",
         report.driven_here
     );
-    let report = commit_one_at_a_time_over_tcp(2, true);
+    let report = one_at_a_time_over_tcp(2, true);
     assert_eq!(report.driven_here, 0, "{report:?}");
 }
 
-/// Commits 20 frames from the first of `devices` devices (lossless ones if `reliable`) over tcp,
-/// one at a time, each once the one before arrived, 5 ms apart, checks they all arrived intact
-/// and returns the report.
-fn commit_one_at_a_time_over_tcp(devices: u8, reliable: bool) -> rdmastream::engine::SenderReport {
+/// Sends 20 frames from the first of `devices` devices over tcp, one at a time, each once the
+/// one before arrived, 5 ms apart (committed in place by a live device; pushed, copied by the
+/// filling thread, by a lossless one if `lossless_pushed`), checks they all arrived intact and
+/// returns the report.
+fn one_at_a_time_over_tcp(devices: u8, lossless_pushed: bool) -> rdmastream::engine::SenderReport {
     const BLOCK: usize = 64 << 10;
     let cap = rdmastream::proto::payload_capacity(BLOCK);
     let listener = tcp::listen("127.0.0.1:0", settings(8, BLOCK, vec![])).unwrap();
@@ -2929,14 +2931,17 @@ fn commit_one_at_a_time_over_tcp(devices: u8, reliable: bool) -> rdmastream::eng
     };
     let s = SenderHandle::start(opts, Box::new(TcpConnector::new(addr)), 4).unwrap();
     let inputs: Vec<_> = (0..devices)
-        .map(|d| match reliable {
+        .map(|d| match lossless_pushed {
             true => s.add_device_with(3 + d, DropPolicy::Block, true),
             false => s.add_device(3 + d, DropPolicy::DropOldest),
         })
         .collect();
     let input = &inputs[0];
     let wait = Duration::from_secs(10);
-    let want = commit_one_at_a_time(input, cap, &sink, wait);
+    let want = match lossless_pushed {
+        true => push_one_at_a_time(input, cap, &sink, wait),
+        false => commit_one_at_a_time(input, cap, &sink, wait),
+    };
     for input in &inputs {
         input.end();
     }
@@ -2961,6 +2966,28 @@ fn commit_one_at_a_time(
         let mut r = input.reserve(cap, wait).unwrap();
         r.payload_mut().copy_from_slice(&bytes);
         assert!(r.commit(meta(index)));
+        want.push((index, bytes));
+        assert!(
+            wait_until(wait, || sink.0.lock().unwrap().len() == want.len()),
+            "frame {index} did not arrive"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    want
+}
+
+/// As [`commit_one_at_a_time`], with the frames pushed (copied into a send block by the filling
+/// thread).
+fn push_one_at_a_time(
+    input: &rdmastream::engine::DeviceInput,
+    cap: usize,
+    sink: &Hoard,
+    wait: Duration,
+) -> Vec<(u64, Vec<u8>)> {
+    let mut want = Vec::new();
+    for index in 0..20u64 {
+        let bytes = Rendered::bytes(index as u8, cap);
+        assert!(input.push(octets(index, bytes.clone())));
         want.push((index, bytes));
         assert!(
             wait_until(wait, || sink.0.lock().unwrap().len() == want.len()),
@@ -3145,12 +3172,33 @@ fn a_frame_written_into_a_gone_receivers_block_is_dropped_and_the_stream_goes_on
 fn committed_frames_skip_the_filling_thread_and_keep_order_and_formats() {
     let fabric = MemFabric::new();
     let listener = fabric.listen("rx", settings(8, 4096, vec![]));
-    skip_the_filling_thread(Box::new(listener), Box::new(fabric.connector("rx")));
+    skip_the_filling_thread(Box::new(listener), Box::new(fabric.connector("rx")), false);
     let (_dir, listener, connector) = shm_endpoints(settings(8, 4096, vec![]));
-    skip_the_filling_thread(listener, connector);
+    skip_the_filling_thread(listener, connector, false);
 }
 
-fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
+/// The same for a lossless device: its committed frames skip the filling thread too (its blocks
+/// are kept until confirmed by the sending machine, not by the filling thread), over mem, shm
+/// and tcp. Until 2026-11-29 every one went through the filling thread: one wake-up more per
+/// frame (docs/benchmarks.md, "A lossless device's committed frames skip the filling
+/// thread").
+#[test]
+fn committed_frames_of_a_lossless_device_skip_the_filling_thread_too() {
+    let fabric = MemFabric::new();
+    let listener = fabric.listen("rx", settings(8, 4096, vec![]));
+    skip_the_filling_thread(Box::new(listener), Box::new(fabric.connector("rx")), true);
+    let (_dir, listener, connector) = shm_endpoints(settings(8, 4096, vec![]));
+    skip_the_filling_thread(listener, connector, true);
+    let listener = tcp::listen("127.0.0.1:0", settings(8, 4096, vec![])).unwrap();
+    let addr = listener.local_addr();
+    skip_the_filling_thread(Box::new(listener), Box::new(TcpConnector::new(addr)), true);
+}
+
+fn skip_the_filling_thread(
+    listener: Box<dyn Listener>,
+    connector: Box<dyn Connector>,
+    reliable: bool,
+) {
     let log = Arc::new(Events::default());
     let receiver =
         ReceiverHandle::start(ReceiverOptions::default(), listener, log.clone()).unwrap();
@@ -3163,8 +3211,9 @@ fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Conne
         ..Default::default()
     };
     let s = SenderHandle::start(opts, connector, 64).unwrap();
-    // Lossy, but waiting rather than dropping when its queue is full: every frame arrives.
-    let input = s.add_device_with(5, DropPolicy::Block, false);
+    // Waiting rather than dropping when its queue is full (lossy unless `reliable`): every
+    // frame arrives.
+    let input = s.add_device_with(5, DropPolicy::Block, reliable);
     let wait = Duration::from_secs(10);
     // What the receiver must hand on, in order: (what, detail) as `Events` records them.
     let mut want: Vec<(String, String)> = Vec::new();
@@ -3212,7 +3261,8 @@ fn skip_the_filling_thread(listener: Box<dyn Listener>, connector: Box<dyn Conne
     let report = s.finish(Duration::from_secs(20)).unwrap();
     assert_eq!(report.unsent, 0);
     // Over mem and shm work completes as it is posted: a committing source whose frame went
-    // direct also posted it itself, whenever the sending thread was not at work.
+    // direct also posted it itself, whenever the sending thread was not at work; over tcp (a
+    // lone device) at least the frames committed on an idle link were.
     assert!(report.driven_here > 0, "{report:?}");
     assert!(wait_until(wait, || receiver.all_senders_ended()));
     assert_eq!(handed_on(&log), want);

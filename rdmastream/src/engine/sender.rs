@@ -641,13 +641,11 @@ impl DeviceInput {
 
     /// Seals committed frame `c` here and hands it straight to the sending thread, when nothing
     /// needs the filling thread first (see [`Filler`]): Ok(false) once the sender stops. Gives
-    /// `c` back otherwise (a lossless device, the planning state busy, a message of this device
-    /// queued, small messages held, a format due, a connection drop not yet planned for), and
-    /// the caller queues it.
+    /// `c` back otherwise (the planning state busy, a message of this device queued, small
+    /// messages held, a format due, a connection drop not yet planned for), and the caller
+    /// queues it. A lossless device's frame goes direct too: its block is kept until confirmed
+    /// by the sending machine ([`Filled::reliable`]), which the filling thread has no part in.
     fn commit_direct(&self, mut c: Committed) -> Result<bool, Committed> {
-        if self.reliable {
-            return Err(c);
-        }
         // Busy means the filling thread is at work, maybe on this device: queue behind it.
         let Some(mut f) = self.direct.filler.try_lock() else {
             return Err(c);
@@ -1091,8 +1089,8 @@ impl Handoff {
     /// The filling thread posts a block itself only where that costs no second copy in a row:
     /// blocks already in the receiver's memory while nothing is queued, and over tcp a lone
     /// device's block on an idle link ([`SendState::drives_here`]), where the writev is the
-    /// only copy left and nothing else waits for the filling thread (a lossless device's
-    /// frames, which always come this way, then skip the sending thread's wake-up too).
+    /// only copy left and nothing else waits for the filling thread (a frame it copied in, or
+    /// a committed one it had to plan, then skips the sending thread's wake-up too).
     fn send(&self, ev: ToSending) -> bool {
         let needs_no_copy = matches!(ev, ToSending::Placed { .. } | ToSending::Returned(_));
         if (self.copies_here || needs_no_copy || matches!(ev, ToSending::Block(_)))
