@@ -2,7 +2,7 @@
 # One synthetic 640x480 camera at 25 fps from the sender binary to the receiver binary, two
 # builds in turn: the receiver's p50/p99 for the device, the sender's CPU ticks and how many
 # chains the thread handing the block over posted itself (docs/benchmarks.md, "A lone lossless
-# device's frames posted by the filling thread").
+# device's frames posted by the filling thread" and the section after it).
 #   scripts/bench-lone-camera-ab.sh BEFORE_DIR AFTER_DIR [block|drop-oldest] [tcp|shm]
 #   (directories holding `sender` and `receiver`; N pairs of SECS seconds, default 5 and 12)
 set -euo pipefail
