@@ -2960,20 +2960,11 @@ fn commit_one_at_a_time(
     sink: &Hoard,
     wait: Duration,
 ) -> Vec<(u64, Vec<u8>)> {
-    let mut want = Vec::new();
-    for index in 0..20u64 {
-        let bytes = Rendered::bytes(index as u8, cap);
+    one_at_a_time(cap, sink, wait, |index, bytes| {
         let mut r = input.reserve(cap, wait).unwrap();
-        r.payload_mut().copy_from_slice(&bytes);
+        r.payload_mut().copy_from_slice(bytes);
         assert!(r.commit(meta(index)));
-        want.push((index, bytes));
-        assert!(
-            wait_until(wait, || sink.0.lock().unwrap().len() == want.len()),
-            "frame {index} did not arrive"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    want
+    })
 }
 
 /// As [`commit_one_at_a_time`], with the frames pushed (copied into a send block by the filling
@@ -2984,10 +2975,23 @@ fn push_one_at_a_time(
     sink: &Hoard,
     wait: Duration,
 ) -> Vec<(u64, Vec<u8>)> {
+    one_at_a_time(cap, sink, wait, |index, bytes| {
+        assert!(input.push(octets(index, bytes.to_vec())));
+    })
+}
+
+/// Sends 20 frames of `cap` bytes with `send`, each once the one before arrived at `sink`, 5 ms
+/// apart; returns them as [`assert_hoarded`] wants them.
+fn one_at_a_time(
+    cap: usize,
+    sink: &Hoard,
+    wait: Duration,
+    mut send: impl FnMut(u64, &[u8]),
+) -> Vec<(u64, Vec<u8>)> {
     let mut want = Vec::new();
     for index in 0..20u64 {
         let bytes = Rendered::bytes(index as u8, cap);
-        assert!(input.push(octets(index, bytes.clone())));
+        send(index, &bytes);
         want.push((index, bytes));
         assert!(
             wait_until(wait, || sink.0.lock().unwrap().len() == want.len()),
