@@ -1289,9 +1289,11 @@ fn a_drop_oldest_copy_waits_its_moment_while_earlier_frames_are_in_flight() {
 /// With every earlier frame of this sink through, a `drop-oldest` buffer from elsewhere that
 /// finds no in-place block free (the blocks busy elsewhere: here upstream holds the only one)
 /// does not wait for one: the filling thread copies it at once, and the frames arrive in order.
-/// Timed against the same sink's copies while the block was free (the fastest of five each, so
+/// Timed against the same sink's copies while the block was free (the fastest of ten each, so
 /// a slow machine or a stall does not decide it): a copy that waited its moment
-/// (`DROP_OLDEST_PATIENCE`) is slower than those by at least that.
+/// (`DROP_OLDEST_PATIENCE`) takes at least that, and is slower than those by at least that. In
+/// the Soft-RoCE VM (emulated CPUs) a copy that did not wait once took 1.28 ms at its fastest of
+/// five, the free ones 0.45 ms, so the bar is whichever of the two is higher.
 #[test]
 fn a_drop_oldest_copy_with_its_earlier_frames_through_does_not_wait_for_a_block() {
     init();
@@ -1304,7 +1306,7 @@ fn a_drop_oldest_copy_with_its_earlier_frames_through_does_not_wait_for_a_block(
     let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
     // Pushes five copies, each once the one before is through; their push times.
     let mut copies = |tx: &mut Harness, first: u8| -> Vec<std::time::Duration> {
-        (first..first + 5)
+        (first..first + 10)
             .map(|i| {
                 let started = std::time::Instant::now();
                 tx.push(buffer(vec![i; 8], 100 * i as u64, 100)).unwrap();
@@ -1320,10 +1322,10 @@ fn a_drop_oldest_copy_with_its_earlier_frames_through_does_not_wait_for_a_block(
     // The first (it carries the caps) and the ones after it, while the block is free.
     let free = copies(&mut tx, 0);
     let held = pooled(&pool, 9);
-    let busy = copies(&mut tx, 5);
+    let busy = copies(&mut tx, 10);
     let fastest = |t: &[std::time::Duration]| *t.iter().min().unwrap();
     assert!(
-        fastest(&busy) < fastest(&free) + moment / 2,
+        fastest(&busy) < moment.max(fastest(&free) + moment / 2),
         "the copies that found no block free took {busy:?}, those with one free {free:?}: \
          they waited for a block although the earlier frames were through"
     );
