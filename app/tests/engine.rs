@@ -2429,9 +2429,17 @@ fn a_frame_pushed_into_a_full_drop_oldest_queue_waits_a_moment_before_one_is_dro
     }
     let counters = s.counters().device(&1);
     std::thread::sleep(Duration::from_millis(300));
+    // The filling thread holds two frames now (one in its block, one waiting for another), and
+    // the queue two more, unless the filling thread took the device in only after the pushes
+    // above: then two of them were dropped meanwhile, it took the other two, and the queue has
+    // room for two (a loaded CI run once pushed into it without waiting). Two more pushes fill
+    // it either way; the next one finds it full.
+    for i in 4..6 {
+        assert!(input.push(frame(i)));
+    }
     let dropped = get(&counters.drops);
     let started = std::time::Instant::now();
-    assert!(input.push(frame(4)));
+    assert!(input.push(frame(6)));
     let waited = started.elapsed();
     let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
     assert!(
