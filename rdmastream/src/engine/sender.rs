@@ -1086,14 +1086,16 @@ struct Handoff {
 impl Handoff {
     /// Hands `ev` over. False once the sender stopped.
     ///
-    /// The filling thread posts a block itself only where that costs no second copy in a row:
-    /// blocks already in the receiver's memory while nothing is queued, and over tcp a lone
-    /// device's block on an idle link ([`SendState::drives_here`]), where the writev is the
-    /// only copy left and nothing else waits for the filling thread (a frame it copied in, or
-    /// a committed one it had to plan, then skips the sending thread's wake-up too).
+    /// The filling thread posts only blocks already in the receiver's memory, while nothing is
+    /// queued (no second copy in a row on it). It does not even try the state's lock for a
+    /// block it filled: tried for every block (to post a lone device's block on an idle tcp
+    /// link), that lock made the sending thread wait for it, and in the Soft-RoCE VM a
+    /// `drop-oldest` copy then waited for a block in 4 of 10 runs of a harness test, 0 of 10
+    /// without (docs/benchmarks.md, "A lone lossless device's frames posted by the filling
+    /// thread").
     fn send(&self, ev: ToSending) -> bool {
         let needs_no_copy = matches!(ev, ToSending::Placed { .. } | ToSending::Returned(_));
-        if (self.copies_here || needs_no_copy || matches!(ev, ToSending::Block(_)))
+        if (self.copies_here || needs_no_copy)
             && self.tx.is_empty()
             && let Some(mut state) = self.state.try_lock()
             && state.drives_here()
