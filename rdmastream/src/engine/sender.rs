@@ -1012,12 +1012,6 @@ impl SendState {
                 && self.busy_at.elapsed() >= IDLE_BEFORE_POSTING_HERE)
     }
 
-    /// Whether [`SendState::drives_here`] holds because the link is idle (tcp, a lone device),
-    /// not because its work completes as it is posted.
-    fn on_idle_link(&self) -> bool {
-        self.conn.as_ref().is_some_and(|c| !c.completes_at_once())
-    }
-
     /// Drives the connection on this (handing) thread: turns until nothing more is posted or
     /// completed, gives freed blocks back and lends receiver's blocks. True when the sending
     /// thread has something to do: an error to act on, a retry or a completion to wait for,
@@ -1099,9 +1093,7 @@ impl Handoff {
             && self.tx.is_empty()
             && let Some(mut state) = self.state.try_lock()
             && state.drives_here()
-            && (self.copies_here
-                || (needs_no_copy && state.s.machine.queued() == 0)
-                || state.on_idle_link())
+            && (self.copies_here || state.s.machine.queued() == 0)
         {
             state.intake(ev);
             state.driven_here += 1;
