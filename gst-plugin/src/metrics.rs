@@ -77,7 +77,7 @@ pub fn list(addr: &str, element: &gst::Element) -> Result<Listed, rdmastream_app
 /// `stats` fields and the metric each becomes: field, metric name (without `_total`), help,
 /// counter (else gauge). rdmasink and rdmasrc name some counts differently; they share a
 /// metric (the `factory` label tells them apart).
-const FIELDS: [(&str, &str, &str, bool); 10] = [
+const FIELDS: [(&str, &str, &str, bool); 11] = [
     (
         "frames-written",
         "rdmastream_element_frames",
@@ -115,6 +115,12 @@ const FIELDS: [(&str, &str, &str, bool); 10] = [
         "rdmastream_element_in_flight_frames",
         "Frames handed to the sender and not yet written (rdmasink)",
         false,
+    ),
+    (
+        "copies-waited",
+        "rdmastream_element_copies_waited",
+        "Buffers from elsewhere that found no send block free and waited for one to copy into (rdmasink)",
+        true,
     ),
     (
         "queued",

@@ -1070,6 +1070,10 @@ fn elements_serve_their_stats_as_prometheus_metrics() {
         element_metric(&s, "rdmastream_element_dropped_frames_total", "rdmasink"),
         Some(sink_stats.get::<u64>("frames-dropped").unwrap() as f64)
     );
+    assert_eq!(
+        element_metric(&s, "rdmastream_element_copies_waited_total", "rdmasink"),
+        Some(sink_stats.get::<u64>("copies-waited").unwrap() as f64)
+    );
     let device = s
         .samples
         .iter()
@@ -1197,6 +1201,8 @@ fn a_copy_without_a_free_in_place_block_waits_a_moment_then_goes_to_the_filling_
     let st = stats(&tx.element().unwrap());
     assert_eq!(st.get::<u64>("frames-copied").unwrap(), 6);
     assert_eq!(st.get::<u64>("frames-in-place").unwrap(), 1);
+    // The three copies while upstream held the block waited, and are counted.
+    assert!(st.get::<u64>("copies-waited").unwrap() >= 3, "{st}");
     // Over tcp nothing lands in the receiver's memory directly.
     assert_eq!(st.get::<u64>("frames-copied-to-receiver").unwrap(), 0);
     pool.set_active(false).unwrap();
@@ -1279,6 +1285,8 @@ fn a_drop_oldest_copy_waits_its_moment_while_earlier_frames_are_in_flight() {
         waited >= moment,
         "the second copy waited {waited:?} for a block, not {moment:?}, with the first in flight"
     );
+    // Counted: the second copy waited, the first did not.
+    assert_eq!(stats(&e).get::<u64>("copies-waited").unwrap(), 1);
     drop(held);
     within_deadline("stopping the sink", move || {
         pool.set_active(false).unwrap();
@@ -1289,11 +1297,11 @@ fn a_drop_oldest_copy_waits_its_moment_while_earlier_frames_are_in_flight() {
 /// With every earlier frame of this sink through, a `drop-oldest` buffer from elsewhere that
 /// finds no in-place block free (the blocks busy elsewhere: here upstream holds the only one)
 /// does not wait for one: the filling thread copies it at once, and the frames arrive in order.
-/// Timed against the same sink's copies while the block was free (the fastest of ten each, so
-/// a slow machine or a stall does not decide it): a copy that waited its moment
-/// (`DROP_OLDEST_PATIENCE`) takes at least that, and is slower than those by at least that. In
-/// the Soft-RoCE VM (emulated CPUs) a copy that did not wait once took 1.28 ms at its fastest of
-/// five, the free ones 0.45 ms, so the bar is whichever of the two is higher.
+/// `stats` counts the copies that waited for a block (`copies-waited`): none of these ten.
+/// (The test timed the pushes once. In the Soft-RoCE VM, on emulated CPUs, a copy handed to
+/// the filling thread took 1.1-3 ms without any wait, its reservation's patience zero, and the
+/// test failed in about one run of ten there.) The sink's other tests show the count is not
+/// always zero: a copy that does wait is counted.
 #[test]
 fn a_drop_oldest_copy_with_its_earlier_frames_through_does_not_wait_for_a_block() {
     init();
@@ -1303,31 +1311,26 @@ fn a_drop_oldest_copy_with_its_earlier_frames_through_does_not_wait_for_a_block(
     e.set_property_from_str("drop-policy", "drop-oldest");
     let mut tx = sink_harness(&e, GRAY);
     let pool = proposed_pool(&tx);
-    let moment = rdmastream::engine::sender::DROP_OLDEST_PATIENCE;
-    // Pushes five copies, each once the one before is through; their push times.
-    let mut copies = |tx: &mut Harness, first: u8| -> Vec<std::time::Duration> {
-        (first..first + 10)
-            .map(|i| {
-                let started = std::time::Instant::now();
-                tx.push(buffer(vec![i; 8], 100 * i as u64, 100)).unwrap();
-                let took = started.elapsed();
-                assert_eq!(bytes(&rx.pull().unwrap()), vec![i; 8], "frame {i}");
-                wait_for("every frame through", || {
-                    stats(&e).get::<u64>("in-flight").unwrap_or(1) == 0
-                });
-                took
-            })
-            .collect()
+    // Pushes ten copies, each once the one before is through.
+    let mut copies = |tx: &mut Harness, first: u8| {
+        for i in first..first + 10 {
+            tx.push(buffer(vec![i; 8], 100 * i as u64, 100)).unwrap();
+            assert_eq!(bytes(&rx.pull().unwrap()), vec![i; 8], "frame {i}");
+            wait_for("every frame through", || {
+                stats(&e).get::<u64>("in-flight").unwrap_or(1) == 0
+            });
+        }
     };
     // The first (it carries the caps) and the ones after it, while the block is free.
-    let free = copies(&mut tx, 0);
+    copies(&mut tx, 0);
     let held = pooled(&pool, 9);
-    let busy = copies(&mut tx, 10);
-    let fastest = |t: &[std::time::Duration]| *t.iter().min().unwrap();
-    assert!(
-        fastest(&busy) < moment.max(fastest(&free) + moment / 2),
-        "the copies that found no block free took {busy:?}, those with one free {free:?}: \
-         they waited for a block although the earlier frames were through"
+    copies(&mut tx, 10);
+    let st = stats(&e);
+    assert_eq!(st.get::<u64>("frames-copied").unwrap(), 20);
+    assert_eq!(
+        st.get::<u64>("copies-waited").unwrap(),
+        0,
+        "copies waited for a block although the earlier frames were through"
     );
     drop(held);
     pool.set_active(false).unwrap();

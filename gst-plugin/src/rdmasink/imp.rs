@@ -168,6 +168,8 @@ pub struct RdmaSink {
     copied: AtomicU64,
     /// Of the copied frames, those `render` copied straight into the receiver's memory (shm).
     copied_to_receiver: AtomicU64,
+    /// Copies for which `render` found no block free at once and waited for one.
+    copies_waited: AtomicU64,
     last_path: AtomicU8,
 }
 
@@ -461,7 +463,25 @@ impl RdmaSink {
             _ if lease.in_flight() > 0 => rdmastream::engine::sender::DROP_OLDEST_PATIENCE,
             _ => Duration::ZERO,
         };
-        let mut r = match lease.reserve(buffer.size(), timeout) {
+        let asked = std::time::Instant::now();
+        let reserved = lease.reserve(buffer.size(), timeout);
+        let waited = match &reserved {
+            Ok(r) => r.waited(),
+            Err(rdmastream::engine::NotReserved::TimedOut) => !timeout.is_zero(),
+            Err(_) => false,
+        };
+        if waited {
+            self.copies_waited.fetch_add(1, Ordering::Relaxed);
+        }
+        gst::trace!(
+            CAT,
+            imp = self,
+            "a block to copy into: {} after {:?} (waited: {waited}; patience {timeout:?}, {} in flight)",
+            if reserved.is_ok() { "reserved" } else { "none" },
+            asked.elapsed(),
+            lease.in_flight()
+        );
+        let mut r = match reserved {
             Ok(r) => r,
             Err(rdmastream::engine::NotReserved::Stopped) => return Err(gst::FlowError::Flushing),
             Err(_) => return Ok(false),
@@ -695,7 +715,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
                     .nick("Statistics")
-                    .blurb("frames-written, bytes-written, frames-dropped, in-flight, frames-in-place, frames-in-receiver-memory, frames-copied, frames-copied-to-receiver, connected, connections, sender-name")
+                    .blurb("frames-written, bytes-written, frames-dropped, in-flight, frames-in-place, frames-in-receiver-memory, frames-copied, frames-copied-to-receiver, copies-waited, connected, connections, sender-name")
                     .read_only()
                     .build(),
             ]
@@ -779,6 +799,7 @@ impl ObjectImpl for RdmaSink {
                             "frames-copied-to-receiver",
                             self.copied_to_receiver.load(Ordering::Relaxed),
                         )
+                        .field("copies-waited", self.copies_waited.load(Ordering::Relaxed))
                         .field("connected", link.connected)
                         .field("connections", link.connections)
                         .field("sender-name", st.lease.sender_name());
@@ -946,6 +967,7 @@ impl BaseSinkImpl for RdmaSink {
         self.in_receiver.store(0, Ordering::Relaxed);
         self.copied.store(0, Ordering::Relaxed);
         self.copied_to_receiver.store(0, Ordering::Relaxed);
+        self.copies_waited.store(0, Ordering::Relaxed);
         self.last_path.store(0, Ordering::Relaxed);
         Ok(())
     }

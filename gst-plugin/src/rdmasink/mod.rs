@@ -26,7 +26,9 @@
 //! `blocks`. A frame that does not fit one block (`block-size` minus 60 bytes of header and
 //! trailer) gets an ordinary buffer; any buffer not from the pool is copied: by `render` itself
 //! into an in-place block when one is free (it waits up to 2 ms for one with `drop-policy=block`,
-//! 1 ms with `drop-oldest`), otherwise by the filling thread into one of `blocks`. Over
+//! 1 ms with `drop-oldest` while the sink's earlier frames are still on their way; `stats`
+//! counts the copies that waited, `copies-waited`), otherwise by the filling thread into one of
+//! `blocks`. Over
 //! `transport=shm` a pooled buffer, and the block `render` copies into, is, whenever the sending
 //! thread has one on offer, a block of the receiver's memory itself: the frame is written once,
 //! where `rdmasrc` reads it, and the sender posts only its status byte. The `stats` structure

@@ -268,6 +268,8 @@ pub struct Reservation {
     /// A receiver's block lent over shm (then `lease` maps it), not one of the send blocks.
     lent: Option<Lent>,
     input: DeviceInput,
+    /// The reservation found no block free at once and waited for one.
+    waited: bool,
 }
 
 impl Reservation {
@@ -280,6 +282,12 @@ impl Reservation {
     /// written once, straight where the receiver reads it.
     pub fn is_remote(&self) -> bool {
         self.lent.is_some()
+    }
+
+    /// True when [`DeviceInput::reserve`] found no block free at once and waited for this one
+    /// (a zero timeout never waits).
+    pub fn waited(&self) -> bool {
+        self.waited
     }
 
     /// The payload's length in bytes (as reserved).
@@ -573,12 +581,15 @@ impl DeviceInput {
         let mut limited_since: Option<Instant> = None;
         // Whether this reservation has waited its moment for a lent block.
         let mut waited_for_lent = false;
+        // Whether it blocked at all (for `Reservation::waited`).
+        let mut waited = false;
         loop {
             if self.stopped.load(Ordering::Acquire) {
                 return Err(NotReserved::Stopped);
             }
             // A block free now is taken even with a zero timeout.
-            if let Some(r) = self.take_lent(len) {
+            if let Some(mut r) = self.take_lent(len) {
+                r.waited = waited;
                 return Ok(r);
             }
             // The sending thread lends none while blocks queued before wait for the receiver's
@@ -590,6 +601,7 @@ impl DeviceInput {
                 waited_for_lent = true;
                 let wait = LENT_PATIENCE.min(deadline.saturating_duration_since(Instant::now()));
                 if !wait.is_zero() {
+                    waited = true;
                     if let Ok(b) = self.lent.rx.recv_timeout(wait) {
                         // Offer it again: `take_lent` checks its connection.
                         self.lent.offer(b);
@@ -603,7 +615,11 @@ impl DeviceInput {
             let patient =
                 !timeout.is_zero() && limited_since.is_none_or(|t| t.elapsed() < patience);
             match self.take_free(patient) {
-                FreeBlock::Taken(block) => return Ok(self.local(block, len)),
+                FreeBlock::Taken(block) => {
+                    let mut r = self.local(block, len);
+                    r.waited = waited;
+                    return Ok(r);
+                }
                 FreeBlock::Limited => {
                     limited_since.get_or_insert_with(Instant::now);
                 }
@@ -617,6 +633,7 @@ impl DeviceInput {
             if let Some(t) = limited_since {
                 wait = wait.min(patience.saturating_sub(t.elapsed()));
             }
+            waited = true;
             let mut sel = Select::new();
             sel.recv(&self.free_rx);
             if !self.reliable {
@@ -715,6 +732,7 @@ impl DeviceInput {
             lease: Some(self.blocks.lease(block)),
             lent: None,
             input: self.clone(),
+            waited: false,
         }
     }
 
@@ -730,6 +748,7 @@ impl DeviceInput {
             lease: Some(lease),
             lent: Some(lent),
             input: self.clone(),
+            waited: false,
         })
     }
 
