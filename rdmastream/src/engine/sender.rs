@@ -1101,11 +1101,10 @@ impl Handoff {
     ///
     /// The filling thread posts only blocks already in the receiver's memory, while nothing is
     /// queued (no second copy in a row on it). It does not even try the state's lock for a
-    /// block it filled: tried for every block (to post a lone device's block on an idle tcp
-    /// link), that lock made the sending thread wait for it, and in the Soft-RoCE VM a
-    /// `drop-oldest` copy then waited for a block in 4 of 10 runs of a harness test, 0 of 10
-    /// without (docs/benchmarks.md, "A lone lossless device's frames posted by the filling
-    /// thread").
+    /// block it filled: posting a lone device's block on an idle tcp link there lowered p50 in
+    /// only 11 of 23 pairs for up to 1 % of a core more, and in the Soft-RoCE VM the copies
+    /// handed to the filling thread got slower (docs/benchmarks.md, "The filling thread's
+    /// post reverted").
     fn send(&self, ev: ToSending) -> bool {
         let needs_no_copy = matches!(ev, ToSending::Placed { .. } | ToSending::Returned(_));
         if (self.copies_here || needs_no_copy)
