@@ -11,7 +11,9 @@
 # older build's), run in turn per round (default: this tree's, target/release); the receiver is
 # BENCH_RECEIVER (default target/release/receiver, the same for every build). Prints per run
 # the sender's CPU seconds (GNU time, user + sys), the frames the receiver took and its latency
-# capture -> delivered over all devices. A benchmark: it prints figures and asserts nothing.
+# capture -> delivered over all devices, and how many of the frames `render` copied waited for a
+# block to copy into (the sinks' last `stats`, every 500 ms: the final half second may be
+# missing). A benchmark: it prints figures and asserts nothing.
 #   scripts/bench-gst-cameras.sh [rounds] [frames] [transport] [policy]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -69,9 +71,10 @@ run() {
     # shellcheck disable=SC2206 # the pipeline's words
     p+=(videotestsrc is-live=true pattern=ball num-buffers="$frames"
       ! video/x-raw,format=RGB,width=640,height=480,framerate=25/1 $tail
-      rdmasink $dest device-id="$d" drop-policy="$policy" sender-name=cameras sync=false)
+      rdmasink $dest device-id="$d" drop-policy="$policy" sender-name=cameras sync=false
+      stats-interval=500)
   done
-  GST_PLUGIN_PATH=$dir /usr/bin/time -f "%U %S" -o "$w/time" gst-launch-1.0 -q "${p[@]}" \
+  GST_PLUGIN_PATH=$dir /usr/bin/time -f "%U %S" -o "$w/time" gst-launch-1.0 -m "${p[@]}" \
     > "$w/tx.log" 2>&1 || { echo "gst-launch-1.0 failed:" >&2; tail -5 "$w/tx.log" >&2; }
   sleep 1
   kill -INT "$rx" 2> /dev/null || true
@@ -80,7 +83,20 @@ run() {
   cpu=$(awk '{printf "%.2f", $1 + $2}' "$w/time")
   got=$(grep -oE "[0-9]+ frames received" "$w/rx.log" | awk '{s += $1} END {print s + 0}')
   lat=$(grep -E "summary: .*latency p50" "$w/rx.log" | tail -1 | grep -oE "latency p50 [0-9.]+ ms p99 [0-9.]+ ms" || echo "no latency")
-  echo "$dir round $round: sender CPU $cpu s; $got of $((cameras * frames)) frames received; $lat"
+  # The sinks' last stats: copies `render` made and those that waited for a block (builds
+  # before `copies-waited` have none: n/a).
+  local waits
+  waits=$( { grep -E 'application/x-rdmasink-stats' "$w/tx.log" || true; } | awk '
+    match($0, /element "rdmasink[0-9]+"/) {
+      e = substr($0, RSTART, RLENGTH)
+      if (match($0, /frames-copied=\(guint64\)[0-9]+/)) { s = substr($0, RSTART, RLENGTH); sub(/.*\)/, "", s); c[e] = s }
+      if (match($0, /copies-waited=\(guint64\)[0-9]+/)) { s = substr($0, RSTART, RLENGTH); sub(/.*\)/, "", s); w[e] = s; has = 1 }
+    }
+    END {
+      for (e in c) { tc += c[e]; tw += w[e] }
+      if (has) printf "%d of %d copies waited for a block", tw, tc; else printf "copies waited n/a"
+    }')
+  echo "$dir round $round: sender CPU $cpu s; $got of $((cameras * frames)) frames received; $lat; $waits"
 }
 echo "$cameras cameras x $frames frames, $transport, $policy, $([[ -n ${BENCH_POOL:-} ]] && echo "upstream drawing into rdmasink's pool" || echo "buffers copied by render")"
 for round in $(seq 1 "$rounds"); do
