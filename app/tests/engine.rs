@@ -1920,6 +1920,21 @@ fn run_reserved(listener: Box<dyn Listener>, connector: Box<dyn Connector>) {
         input.reserve(100, Duration::from_millis(50)).unwrap_err(),
         NotReserved::TimedOut
     );
+    assert!(
+        held.iter().all(|r| !r.waited()),
+        "free blocks were reserved without a wait"
+    );
+    // A reservation that waits for one to come back says so (`rdmasink` counts those).
+    let mut held = held;
+    let back = held.pop().unwrap();
+    let giver = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        drop(back);
+    });
+    let r = input.reserve(100, wait).unwrap();
+    giver.join().unwrap();
+    assert!(r.waited(), "the reservation that waited for a block");
+    held.push(r);
     // Meanwhile pushed frames still go, in the filling thread's own blocks (one of them
     // fragmented over both).
     let pushed = Rendered::bytes(9, cap + 10);
