@@ -87,10 +87,15 @@ run() {
   # before `copies-waited` have none: n/a).
   local waits
   waits=$( { grep -E 'application/x-rdmasink-stats' "$w/tx.log" || true; } | awk '
+    # The value of stats field `name` on this line, or -1 without it.
+    function field(name,   v) {
+      if (!match($0, name "=\\(guint64\\)[0-9]+")) return -1
+      v = substr($0, RSTART, RLENGTH); sub(/.*\)/, "", v); return v + 0
+    }
     match($0, /element "rdmasink[0-9]+"/) {
       e = substr($0, RSTART, RLENGTH)
-      if (match($0, /frames-copied=\(guint64\)[0-9]+/)) { s = substr($0, RSTART, RLENGTH); sub(/.*\)/, "", s); c[e] = s }
-      if (match($0, /copies-waited=\(guint64\)[0-9]+/)) { s = substr($0, RSTART, RLENGTH); sub(/.*\)/, "", s); w[e] = s; has = 1 }
+      c[e] = field("frames-copied")
+      if ((v = field("copies-waited")) >= 0) { w[e] = v; has = 1 }
     }
     END {
       for (e in c) { tc += c[e]; tw += w[e] }

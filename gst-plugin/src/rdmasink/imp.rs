@@ -463,7 +463,6 @@ impl RdmaSink {
             _ if lease.in_flight() > 0 => rdmastream::engine::sender::DROP_OLDEST_PATIENCE,
             _ => Duration::ZERO,
         };
-        let asked = std::time::Instant::now();
         let reserved = lease.reserve(buffer.size(), timeout);
         let waited = match &reserved {
             Ok(r) => r.waited(),
@@ -476,9 +475,8 @@ impl RdmaSink {
         gst::trace!(
             CAT,
             imp = self,
-            "a block to copy into: {} after {:?} (waited: {waited}; patience {timeout:?}, {} in flight)",
+            "a block to copy into: {} (waited: {waited}; patience {timeout:?}, {} in flight)",
             if reserved.is_ok() { "reserved" } else { "none" },
-            asked.elapsed(),
             lease.in_flight()
         );
         let mut r = match reserved {
