@@ -496,7 +496,7 @@ impl ObjectImpl for RdmaSrc {
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("transport", DEFAULT_TRANSPORT)
                     .nick("Transport")
-                    .blurb("Data path: auto (verbs when an RDMA device is usable, else tcp), verbs, or tcp (software emulation)")
+                    .blurb("Data path: auto (shm for a unix:/path address, else verbs when an RDMA device is usable, else tcp), verbs, tcp (software emulation), shm (shared memory with a peer on this host), or mem (a sink and a source of one process)")
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecUInt::builder("device-id")
