@@ -21,6 +21,7 @@ pub mod error;
 mod link;
 mod logging;
 mod metrics;
+mod props;
 mod rdmasink;
 mod rdmasrc;
 mod report;

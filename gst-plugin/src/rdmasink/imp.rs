@@ -18,6 +18,7 @@ use rdmastream::stats::unix_now_ns;
 use rdmastream_app::gst::pool::{BlockLease, BlockPool, LinkCheck, Wait, Warn};
 
 use crate::link::{self, DeviceLease, LeaseRequest, QUEUE_DEPTH, SenderKey};
+use crate::props;
 use crate::transport::{DropPolicyProperty, Transport, VerbsSettings, join_host_port};
 
 static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
@@ -30,14 +31,11 @@ static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
 
 const DEFAULT_HOST: &str = "127.0.0.1";
 const DEFAULT_PORT: u32 = 7471;
-const DEFAULT_TRANSPORT: Transport = Transport::Auto;
 const DEFAULT_DEVICE_ID: u32 = 0;
 const DEFAULT_BLOCKS: u32 = 8;
 /// `in-place-blocks`: -1, half of `blocks` (added to them).
 const DEFAULT_IN_PLACE_BLOCKS: i32 = -1;
 const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
-const DEFAULT_IB_PORT: u32 = 1;
-const DEFAULT_GID_INDEX: i32 = -1;
 const DEFAULT_DROP_POLICY: DropPolicyProperty = DropPolicyProperty::Block;
 const DEFAULT_RECONNECT: bool = true;
 /// `reconnect-timeout`: 0 (retry for ever).
@@ -82,14 +80,14 @@ impl Default for Settings {
         Settings {
             host: DEFAULT_HOST.into(),
             port: DEFAULT_PORT,
-            transport: DEFAULT_TRANSPORT,
+            transport: props::DEFAULT_TRANSPORT,
             device_id: DEFAULT_DEVICE_ID,
             blocks: DEFAULT_BLOCKS,
             in_place_blocks: DEFAULT_IN_PLACE_BLOCKS,
             block_size: DEFAULT_BLOCK_SIZE,
             rdma_device: None,
-            ib_port: DEFAULT_IB_PORT,
-            gid_index: DEFAULT_GID_INDEX,
+            ib_port: props::DEFAULT_IB_PORT,
+            gid_index: props::DEFAULT_GID_INDEX,
             key: None,
             key_file: None,
             sender_name: None,
@@ -611,11 +609,6 @@ impl ObjectImpl for RdmaSink {
                     .default_value(DEFAULT_PORT)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecEnum::builder_with_default("transport", DEFAULT_TRANSPORT)
-                    .nick("Transport")
-                    .blurb("Data path: auto (shm for a unix:/path address, else verbs when an RDMA device is usable, else tcp), verbs, tcp (software emulation), shm (shared memory with a peer on this host), or mem (a sink and a source of one process)")
-                    .mutable_ready()
-                    .build(),
                 glib::ParamSpecUInt::builder("device-id")
                     .nick("Device ID")
                     .blurb("Device number of this stream (0-255); unique among the sinks sharing a connection")
@@ -647,27 +640,6 @@ impl ObjectImpl for RdmaSink {
                     .default_value(DEFAULT_BLOCK_SIZE)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecString::builder("rdma-device")
-                    .nick("RDMA device")
-                    .blurb("RDMA device for transport=verbs (e.g. rxe0, mlx5_0); NULL: the first one")
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder("ib-port")
-                    .nick("IB port")
-                    .blurb("Port of the RDMA device for transport=verbs, from 1")
-                    .minimum(1)
-                    .maximum(255)
-                    .default_value(DEFAULT_IB_PORT)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecInt::builder("gid-index")
-                    .nick("GID index")
-                    .blurb("GID table index for transport=verbs; -1: chosen like perftest (IPv4-mapped RoCE v2, not link-local)")
-                    .minimum(-1)
-                    .maximum(1023)
-                    .default_value(DEFAULT_GID_INDEX)
-                    .mutable_ready()
-                    .build(),
                 glib::ParamSpecString::builder("key")
                     .nick("Key")
                     .blurb("This sender's key (at least 16 bytes; the receiver lists it for sender-name): both ends prove they know it, it never crosses the wire. NULL: the receiver must be anonymous")
@@ -694,29 +666,17 @@ impl ObjectImpl for RdmaSink {
                     .default_value(DEFAULT_RECONNECT)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("stats-interval")
-                    .nick("Stats interval")
-                    .blurb("Post the stats structure as an element message every this many ms (0 = never); drops also post QoS messages")
-                    .default_value(crate::report::DEFAULT_STATS_INTERVAL_MS)
-                    .mutable_ready()
-                    .build(),
                 glib::ParamSpecUInt::builder("reconnect-timeout")
                     .nick("Reconnect timeout")
                     .blurb("With reconnect=true: post an error after the receiver has been unreachable for this many ms (0 = retry for ever)")
                     .default_value(DEFAULT_RECONNECT_TIMEOUT_MS)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecString::builder("metrics")
-                    .nick("Metrics address")
-                    .blurb("Serve the stats as Prometheus metrics on this address:port (GET /metrics), shared by every element of the process that names it; NULL = none")
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
-                    .nick("Statistics")
-                    .blurb("frames-written, bytes-written, frames-dropped, in-flight, frames-in-place, frames-in-receiver-memory, frames-copied, frames-copied-to-receiver, copies-waited, connected, connections, sender-name")
-                    .read_only()
-                    .build(),
             ]
+            .into_iter()
+            .chain(crate::props::link())
+            .chain(crate::props::reporting("frames-written, bytes-written, frames-dropped, in-flight, frames-in-place, frames-in-receiver-memory, frames-copied, frames-copied-to-receiver, copies-waited, connected, connections, sender-name"))
+            .collect()
         });
         PROPERTIES.as_ref()
     }

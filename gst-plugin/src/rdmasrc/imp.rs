@@ -18,6 +18,7 @@ use rdmastream::proto::{Budget, Limits};
 use rdmastream::transport::{AccessControl, Keys, RegionSettings};
 
 use super::TimestampMode;
+use crate::props;
 use crate::route::{Item, ListenKey, Popped, Route, RouteLease, RouteRequest, SenderTable};
 use crate::transport::{DropPolicyProperty, Transport, VerbsSettings, join_host_port};
 
@@ -31,12 +32,9 @@ static CAT: LazyLock<gst::DebugCategory> = LazyLock::new(|| {
 
 const DEFAULT_ADDRESS: &str = "127.0.0.1";
 const DEFAULT_PORT: u32 = 7471;
-const DEFAULT_TRANSPORT: Transport = Transport::Auto;
 const DEFAULT_DEVICE_ID: u32 = 0;
 const DEFAULT_BLOCKS: u32 = 16;
 const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
-const DEFAULT_IB_PORT: u32 = 1;
-const DEFAULT_GID_INDEX: i32 = -1;
 const DEFAULT_TIMESTAMP_MODE: TimestampMode = TimestampMode::Sender;
 const DEFAULT_LATENCY_MS: u32 = 0;
 const DEFAULT_MAX_BUFFERS: u32 = 8;
@@ -97,14 +95,14 @@ impl Default for Settings {
         Settings {
             address: DEFAULT_ADDRESS.into(),
             port: DEFAULT_PORT,
-            transport: DEFAULT_TRANSPORT,
+            transport: props::DEFAULT_TRANSPORT,
             device_id: DEFAULT_DEVICE_ID,
             sender_name: None,
             blocks: DEFAULT_BLOCKS,
             block_size: DEFAULT_BLOCK_SIZE,
             rdma_device: None,
-            ib_port: DEFAULT_IB_PORT,
-            gid_index: DEFAULT_GID_INDEX,
+            ib_port: props::DEFAULT_IB_PORT,
+            gid_index: props::DEFAULT_GID_INDEX,
             key: None,
             key_file: None,
             allow_anonymous: false,
@@ -494,11 +492,6 @@ impl ObjectImpl for RdmaSrc {
                     .default_value(DEFAULT_PORT)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecEnum::builder_with_default("transport", DEFAULT_TRANSPORT)
-                    .nick("Transport")
-                    .blurb("Data path: auto (shm for a unix:/path address, else verbs when an RDMA device is usable, else tcp), verbs, tcp (software emulation), shm (shared memory with a peer on this host), or mem (a sink and a source of one process)")
-                    .mutable_ready()
-                    .build(),
                 glib::ParamSpecUInt::builder("device-id")
                     .nick("Device ID")
                     .blurb("Device number to receive (0-255)")
@@ -525,27 +518,6 @@ impl ObjectImpl for RdmaSrc {
                     .minimum(rdmastream::proto::OVERHEAD as u32 + 1)
                     .maximum(1 << 30)
                     .default_value(DEFAULT_BLOCK_SIZE)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecString::builder("rdma-device")
-                    .nick("RDMA device")
-                    .blurb("RDMA device for transport=verbs (e.g. rxe0, mlx5_0); NULL: the first one")
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecUInt::builder("ib-port")
-                    .nick("IB port")
-                    .blurb("Port of the RDMA device for transport=verbs, from 1")
-                    .minimum(1)
-                    .maximum(255)
-                    .default_value(DEFAULT_IB_PORT)
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecInt::builder("gid-index")
-                    .nick("GID index")
-                    .blurb("GID table index for transport=verbs; -1: chosen like perftest (IPv4-mapped RoCE v2, not link-local)")
-                    .minimum(-1)
-                    .maximum(1023)
-                    .default_value(DEFAULT_GID_INDEX)
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecString::builder("key")
@@ -633,29 +605,17 @@ impl ObjectImpl for RdmaSrc {
                     .default_value(DEFAULT_WAIT_FOR_SENDER)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecUInt::builder("stats-interval")
-                    .nick("Stats interval")
-                    .blurb("Post the stats structure as an element message every this many ms (0 = never); drops also post QoS messages")
-                    .default_value(crate::report::DEFAULT_STATS_INTERVAL_MS)
-                    .mutable_ready()
-                    .build(),
                 glib::ParamSpecUInt64::builder("timeout")
                     .nick("Timeout")
                     .blurb("Post a GstRdmaSrcTimeout element message (field `timeout`, ns) each time nothing arrived for this many ns (0 = never), like udpsrc")
                     .default_value(DEFAULT_TIMEOUT_NS)
                     .mutable_ready()
                     .build(),
-                glib::ParamSpecString::builder("metrics")
-                    .nick("Metrics address")
-                    .blurb("Serve the stats as Prometheus metrics on this address:port (GET /metrics), shared by every element of the process that names it; NULL = none")
-                    .mutable_ready()
-                    .build(),
-                glib::ParamSpecBoxed::builder::<gst::Structure>("stats")
-                    .nick("Statistics")
-                    .blurb("frames, bytes, frames-dropped, frames-before-caps, queued, sender, peer, connections, local-address")
-                    .read_only()
-                    .build(),
             ]
+            .into_iter()
+            .chain(crate::props::link())
+            .chain(crate::props::reporting("frames, bytes, frames-dropped, frames-before-caps, queued, sender, peer, connections, local-address"))
+            .collect()
         });
         PROPERTIES.as_ref()
     }
