@@ -778,7 +778,8 @@ impl ElementImpl for RdmaSink {
                 "RDMA sink",
                 "Sink/Network",
                 "Streams buffers as one device of a sender to an rdmasrc or rdmastream receiver \
-                 over one-sided RDMA (status-byte-assisted) or its TCP emulation",
+                 over one-sided RDMA (status-byte-assisted), its TCP emulation, or shared memory \
+                 on one host",
                 "rdmastream developers",
             )
         });

@@ -1,5 +1,6 @@
 //! `rdmasink`: streams buffers to an `rdmasrc` (or the rdmastream `receiver`) as one device of a
-//! sender, over one-sided RDMA with the status-byte-assisted mechanism, or its TCP emulation.
+//! sender, over one-sided RDMA with the status-byte-assisted mechanism, its TCP emulation, or
+//! shared memory on one host.
 //!
 //! Every buffer becomes one frame of the device: the core's filling thread copies it into send
 //! blocks (or it already is one, see below) (several when it is larger than a block), the sending thread writes them into the

@@ -728,7 +728,8 @@ impl ElementImpl for RdmaSrc {
                 "RDMA source",
                 "Source/Network",
                 "Receives one device of an rdmasink or rdmastream sender over one-sided RDMA \
-                 (status-byte-assisted) or its TCP emulation; caps travel with the stream",
+                 (status-byte-assisted), its TCP emulation, or shared memory on one host; caps \
+                 travel with the stream",
                 "rdmastream developers",
             )
         });

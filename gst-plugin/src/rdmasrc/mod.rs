@@ -1,5 +1,6 @@
 //! `rdmasrc`: a live source receiving one device of an `rdmasink` (or of the rdmastream
-//! `sender`) over one-sided RDMA with the status-byte-assisted mechanism, or its TCP emulation.
+//! `sender`) over one-sided RDMA with the status-byte-assisted mechanism, its TCP emulation, or
+//! shared memory on one host.
 //!
 //! The receiver never posts a work request: it polls the status bytes of its memory blocks,
 //! validates each block, reorders per device and reassembles frames. Each frame becomes one
