@@ -413,18 +413,23 @@ fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
     .expect("starting a benchmark process")
 }
 
-/// The RESULT line of a finished child, as key → value.
-fn result(child: Child) -> Option<std::collections::HashMap<String, f64>> {
-    let out = child.wait_with_output().ok()?;
+/// The RESULT line of a finished child, as key → value; else what became of the child (its
+/// own error went to stderr, which it shares with this process).
+fn result(role: &str, child: Child) -> Result<std::collections::HashMap<String, f64>, String> {
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("{role}: waiting for it: {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.starts_with("RESULT "))?;
-    Some(
-        line.split_whitespace()
-            .skip(1)
-            .filter_map(|kv| kv.split_once('='))
-            .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
-            .collect(),
-    )
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("RESULT "))
+        .ok_or_else(|| format!("{role}: {}, no result", out.status))?;
+    Ok(line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|kv| kv.split_once('='))
+        .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+        .collect())
 }
 
 fn free_port() -> u16 {
@@ -547,18 +552,23 @@ fn main() {
             wait_ready(&run);
             let second = spawn_role(client, &run, start, end);
             let (send, recv) = if server == "send" {
-                (result(first), result(second))
+                (result("sender", first), result("receiver", second))
             } else {
-                let recv = result(first);
-                (result(second), recv)
+                let recv = result("receiver", first);
+                (result("sender", second), recv)
             };
             let rate = if live { "25 fps" } else { "unthrottled" };
-            let (Some(send), Some(recv)) = (send, recv) else {
-                println!(
-                    "| {} | {rate} | failed | | | | |",
-                    variant.label(&transport)
-                );
-                continue;
+            let (send, recv) = match (send, recv) {
+                (Ok(send), Ok(recv)) => (send, recv),
+                (send, recv) => {
+                    let why: Vec<String> = [send.err(), recv.err()].into_iter().flatten().collect();
+                    println!(
+                        "| {} | {rate} | failed ({}) | | | | |",
+                        variant.label(&transport),
+                        why.join("; ")
+                    );
+                    continue;
+                }
             };
             let fps = recv["frames"] / seconds;
             if !live {
