@@ -343,7 +343,8 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
     }
     let reassembly =
         RegionSettings::reassembly_for(cfg.blocks, cfg.block_size, cfg.max_frame_bytes.0 as usize);
-    let per_sender = (cfg.blocks as u64) * (cfg.block_size as u64 + 1) + reassembly as u64;
+    // What `RegionSettings::reserve_region` takes from the budget for one sender.
+    let per_sender = (cfg.blocks as u64) * (cfg.block_size as u64) + reassembly as u64;
     if cfg.memory_budget.0 < per_sender {
         return Err(err(
             "memory_budget",
@@ -506,6 +507,33 @@ fn receiver_keys(cfg: &ReceiverConfig, file: &Path) -> Result<Keys, ConfigError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The defaults (which the shipped configs/receiver.toml states) give `max_senders` senders
+    /// room in `memory_budget`, and not one more: while the budget counted each region's status
+    /// bytes, 16 senders needed 256 bytes more than 1 GiB and the 16th was refused.
+    #[test]
+    fn the_default_budget_admits_max_senders_senders_and_no_more() {
+        let file = Path::new("r.toml");
+        let cfg = ReceiverConfig::parse("", file).unwrap();
+        let plan = cfg.validate(file).unwrap();
+        let held: Vec<_> = (1..=cfg.max_senders)
+            .map(|n| {
+                plan.region
+                    .reserve_region()
+                    .unwrap_or_else(|(_, why)| panic!("sender {n} of {}: {why}", cfg.max_senders))
+            })
+            .collect();
+        let (kind, _) = plan
+            .region
+            .reserve_region()
+            .expect_err("one sender too many fits");
+        assert_eq!(kind, rdmastream::transport::RefusalKind::MemoryBudget);
+        drop(held);
+        assert!(
+            plan.region.reserve_region().is_ok(),
+            "the memory comes back"
+        );
+    }
 
     /// Over tcp a region under 4 MiB gets a hint naming the `blocks` that would hold 4 MiB;
     /// 4 MiB or more, or another transport, none.
