@@ -235,6 +235,27 @@ pub fn sender(
     }
     let started = Instant::now();
     let deadline = duration.map(|s| started + Duration::from_secs_f64(s.max(0.0)));
+    // `--duration` is kept to the moment, not to the next status line: the loop below looks at
+    // the deadline only when it ticks, and with `status_interval = 10` a `--duration 1` run
+    // stopped after 10 s. At the deadline this rings the loop, which ticks at once.
+    if let Some(deadline) = deadline {
+        let ring = stop.clone();
+        std::thread::Builder::new()
+            .name("duration".into())
+            .spawn(move || {
+                while let Some(left) = deadline
+                    .checked_duration_since(Instant::now())
+                    .filter(|left| !left.is_zero())
+                {
+                    std::thread::sleep(left);
+                }
+                ring.ring();
+            })
+            .map_err(|source| Error::Io {
+                what: "starting the --duration timer".into(),
+                source,
+            })?;
+    }
     let counters = sender.counters();
     let name = cfg.name.clone();
     let tick = |sender: &SenderHandle, elapsed: Duration| {

@@ -651,6 +651,42 @@ fn sender_without_receiver_stops_and_names_the_peer() {
     );
 }
 
+/// `--duration` stops the sender at the deadline, not at the next status line: with a status
+/// interval of 120 s, a `--duration 1` run (no receiver, so the frames are undelivered and the
+/// exit code is 1 after `shutdown_grace`) ends within 60 s; it used to wait for the 120 s tick.
+#[test]
+fn duration_stops_the_sender_between_status_lines() {
+    let it = it();
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("sender.toml");
+    std::fs::write(
+        &config,
+        "status_interval = 120\nshutdown_grace = 1\n\
+         [[device]]\nid = 1\nsource = \"radar-synthetic\"\n",
+    )
+    .unwrap();
+    let log = tmp.path().join("tx.log");
+    let peer = it.addr(free_port());
+    let mut tx = spawn(
+        &bin("sender"),
+        &[
+            "--config",
+            config.to_str().unwrap(),
+            "--name",
+            "timed",
+            "--receiver",
+            &peer,
+            "--transport",
+            &it.transport,
+            "--duration",
+            "1",
+        ],
+        &log,
+    );
+    let code = wait(&mut tx, Duration::from_secs(60), "sender", &log);
+    assert_eq!(code, 1, "{}", tail(&log));
+}
+
 /// Copied binaries, run from an empty directory without any config file, stream with their
 /// built-in defaults (those of the shipped configs): nothing depends on the source tree.
 #[test]
