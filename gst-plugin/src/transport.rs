@@ -66,10 +66,12 @@ impl Transport {
 #[repr(u32)]
 #[enum_type(name = "GstRdmaDropPolicy")]
 pub enum DropPolicyProperty {
-    /// Lossless: wait for room (back-pressure).
+    /// Wait for room (back-pressure): nothing is dropped while connected. Not the sender
+    /// binary's end-to-end lossless `block` devices: `rdmasink` does not resend frames that
+    /// were in flight when a connection was lost.
     #[default]
     #[enum_value(
-        name = "Block: wait for room (lossless, back-pressure)",
+        name = "Block: wait for room (back-pressure, nothing dropped)",
         nick = "block"
     )]
     Block = 0,

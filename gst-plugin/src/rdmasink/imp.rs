@@ -657,7 +657,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("drop-policy", DEFAULT_DROP_POLICY)
                     .nick("Drop policy")
-                    .blurb("When the link is slower than the stream: block (wait, lossless) or drop-oldest (live; drops are counted in stats)")
+                    .blurb("When the link is slower than the stream: block (wait: nothing is dropped while connected, but frames in flight when a connection is lost are not resent, unlike the sender binary's lossless devices) or drop-oldest (live; drops are counted in stats)")
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecBoolean::builder("reconnect")

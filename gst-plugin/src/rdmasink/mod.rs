@@ -22,9 +22,10 @@
 //! 1 ms (a source faster than the link gives the sending threads their turn): with no block
 //! free by then it gets an ordinary buffer, which is copied like any buffer from elsewhere. The
 //! `blocks` are the filling thread's own (copied frames, caps, EOS): a
-//! committed frame waiting in a queue never holds a block the filling thread needs to get to it,
-//! and a lossless frame of several blocks is kept for resending as long as it needs fewer than
-//! `blocks`. A frame that does not fit one block (`block-size` minus 60 bytes of header and
+//! committed frame waiting in a queue never holds a block the filling thread needs to get to it.
+//! (`drop-policy=block` is back-pressure, not the sender binary's end-to-end lossless delivery:
+//! the element's device is a live one to the core, so a frame in flight when a connection is
+//! lost is not resent.) A frame that does not fit one block (`block-size` minus 60 bytes of header and
 //! trailer) gets an ordinary buffer; any buffer not from the pool is copied: by `render` itself
 //! into an in-place block when one is free (it waits up to 2 ms for one with `drop-policy=block`,
 //! 1 ms with `drop-oldest` while the sink's earlier frames are still on their way; `stats`
@@ -70,7 +71,8 @@
 //! warning naming this sender). A smaller one leaves the rest of each receiver block unused.
 //!
 //! Frames dropped under `drop-policy=drop-oldest` post QoS messages; the `stats` structure is
-//! posted as an element message every `stats-interval` ms, and with `metrics=127.0.0.1:9100`
+//! posted as an element message every `stats-interval` ms while buffers are rendered (it is
+//! looked at after each one; an idle sink posts none, read the `stats` property then), and with `metrics=127.0.0.1:9100`
 //! served as Prometheus metrics at `http://127.0.0.1:9100/metrics` (one server for every
 //! element of the process naming that address). The element handles
 //! `rdma://HOST:PORT?device-id=N&...` URIs (every query parameter is a property), and
