@@ -69,8 +69,9 @@ const SIZES: [usize; 10] = [
     8 << 20,
 ];
 
-const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-tcp-lossless-place|engine-tcp-copy|engine-tcp-lossless-copy|engine-shm-live|engine-shm-place|engine-shm-copy|transport-tcp|plain-tcp|region-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
-                     [--seconds S] [--rounds R] [--minutes M] [--block BYTES] [--buffers N (plain-tcp)]\n       \
+const USAGE: &str = "usage: bench [throughput|small|engine-tcp|engine-tcp-live|engine-tcp-place|engine-tcp-lossless-place|engine-tcp-copy|engine-tcp-lossless-copy|engine-shm|engine-shm-live|engine-shm-place|engine-shm-copy|transport-tcp|plain-tcp|region-tcp|cameras|cameras-shm|frame-cpu|frame-instr|copy-cache|verbs|verbs-sync|soak|all] \
+                     [--seconds S] [--rounds R] [--minutes M] [--block BYTES] [--buffers N (plain-tcp)] [--frame BYTES (copy-cache)]\n       \
+                     (the name comes first; without one, and without options, `all`)\n       \
                      bench paper [--quick] [--transport tcp|verbs] [--out DIR] [--only 10,18,...]\n       \
                      bench plot DIR";
 
@@ -142,8 +143,15 @@ fn main() {
     // mistyped option would otherwise start a ten-minute soak).
     let mut opts = std::collections::HashMap::new();
     for pair in args[1.min(args.len())..].chunks(2) {
-        let known = ["--seconds", "--rounds", "--minutes", "--block", "--buffers"]
-            .contains(&pair[0].as_str());
+        let known = [
+            "--seconds",
+            "--rounds",
+            "--minutes",
+            "--block",
+            "--buffers",
+            "--frame",
+        ]
+        .contains(&pair[0].as_str());
         match pair.get(1).and_then(|v| v.parse::<f64>().ok()) {
             Some(v) if known => opts.insert(pair[0].as_str(), v),
             _ => {

@@ -35,7 +35,8 @@ struct Cli {
     /// if any differs.
     #[arg(long)]
     verify: bool,
-    /// Exit once every sender that connected has ended all its streams and disconnected.
+    /// Exit once every sender that connected has ended all its streams and disconnected, or has
+    /// been gone for `sender_gone_after` seconds without ending them (killed, or its link died).
     #[arg(long)]
     exit_after_eos: bool,
     /// Override `listen` (address:port, or unix:/path for the shm transport).
