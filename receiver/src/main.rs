@@ -24,8 +24,9 @@ const DEFAULTS: &str = include_str!("../../configs/receiver.toml");
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Cli {
-    /// Config file (default: configs/receiver.toml here or next to the executable, else the
-    /// built-in defaults, which are the shipped configs/receiver.toml).
+    /// Config file (default: configs/receiver.toml here, else receiver.toml next to the executable or
+    /// in ../share/rdmastream/ beside it, else the built-in defaults, which are the shipped
+    /// configs/receiver.toml).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Output directory (overrides `out`).

@@ -19,8 +19,9 @@ const DEFAULTS: &str = include_str!("../../configs/sender.toml");
 #[derive(Parser, Debug)]
 #[command(version, about)]
 struct Cli {
-    /// Config file (default: configs/sender.toml here or next to the executable, else the
-    /// built-in defaults, which are the shipped configs/sender.toml).
+    /// Config file (default: configs/sender.toml here, else sender.toml next to the executable or
+    /// in ../share/rdmastream/ beside it, else the built-in defaults, which are the shipped
+    /// configs/sender.toml).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Stop cleanly after this many seconds (sources end, queued frames are flushed, every
