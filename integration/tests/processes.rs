@@ -615,39 +615,40 @@ fn bad_config_names_file_key_and_reason() {
     }
 }
 
+/// Runs a sender with `--duration 1` against `peer`, where nothing listens, with `args` before
+/// that, and returns its exit code (1: frames undelivered) and its log; fails after 60 s.
+fn sender_to_nobody(dir: &Path, peer: &str, args: &[&str]) -> (i32, String) {
+    let it = it();
+    let log = dir.join("tx.log");
+    let mut all = args.to_vec();
+    all.extend([
+        "--receiver",
+        peer,
+        "--transport",
+        &it.transport,
+        "--duration",
+        "1",
+    ]);
+    let mut tx = spawn(&bin("sender"), &all, &log);
+    let code = wait(&mut tx, Duration::from_secs(60), "sender", &log);
+    (code, std::fs::read_to_string(&log).unwrap())
+}
+
 /// With no receiver, a sender asked to stop still stops (bounded flush) and says why it failed,
 /// naming the receiver.
 #[test]
 fn sender_without_receiver_stops_and_names_the_peer() {
-    let it = it();
     let tmp = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let log = tmp.path().join("tx.log");
-    let peer = it.addr(port);
-    let mut tx = spawn(
-        &bin("sender"),
-        &[
-            "--receiver",
-            &peer,
-            "--transport",
-            &it.transport,
-            "--duration",
-            "1",
-        ],
-        &log,
-    );
-    let code = wait(&mut tx, Duration::from_secs(60), "sender", &log);
-    assert_eq!(code, 1, "{}", tail(&log));
-    let text = std::fs::read_to_string(&log).unwrap();
+    let peer = it().addr(free_port());
+    let (code, text) = sender_to_nobody(tmp.path(), &peer, &[]);
+    assert_eq!(code, 1, "{text}");
     assert!(
         text.contains(&format!("cannot connect to receiver {peer}")),
-        "{}",
-        tail(&log)
+        "{text}"
     );
     assert!(
         text.contains(&format!("were not delivered to receiver {peer}")),
-        "{}",
-        tail(&log)
+        "{text}"
     );
 }
 
@@ -656,7 +657,6 @@ fn sender_without_receiver_stops_and_names_the_peer() {
 /// exit code is 1 after `shutdown_grace`) ends within 60 s; it used to wait for the 120 s tick.
 #[test]
 fn duration_stops_the_sender_between_status_lines() {
-    let it = it();
     let tmp = tempfile::tempdir().unwrap();
     let config = tmp.path().join("sender.toml");
     std::fs::write(
@@ -665,26 +665,10 @@ fn duration_stops_the_sender_between_status_lines() {
          [[device]]\nid = 1\nsource = \"radar-synthetic\"\n",
     )
     .unwrap();
-    let log = tmp.path().join("tx.log");
-    let peer = it.addr(free_port());
-    let mut tx = spawn(
-        &bin("sender"),
-        &[
-            "--config",
-            config.to_str().unwrap(),
-            "--name",
-            "timed",
-            "--receiver",
-            &peer,
-            "--transport",
-            &it.transport,
-            "--duration",
-            "1",
-        ],
-        &log,
-    );
-    let code = wait(&mut tx, Duration::from_secs(60), "sender", &log);
-    assert_eq!(code, 1, "{}", tail(&log));
+    let peer = it().addr(free_port());
+    let args = ["--config", config.to_str().unwrap(), "--name", "timed"];
+    let (code, text) = sender_to_nobody(tmp.path(), &peer, &args);
+    assert_eq!(code, 1, "{text}");
 }
 
 /// Copied binaries, run from an empty directory without any config file, stream with their
