@@ -207,19 +207,36 @@ impl Stop {
 /// Calls `tick` every `interval` until `stop` is asked for or `tick` returns false, sleeping in
 /// between (a stop ends the sleep at once; a [`Stop::ring`] makes the next tick come now).
 /// Returns when it stopped.
-pub fn every(interval: Duration, stop: &Stop, mut tick: impl FnMut(Duration) -> bool) {
+pub fn every(interval: Duration, stop: &Stop, tick: impl FnMut(Duration) -> bool) {
+    every_until(interval, None, stop, tick)
+}
+
+/// [`every`], with one extra tick at `moment` if it comes between two (the sender's
+/// `--duration` deadline, kept to the moment instead of to the next status line: with
+/// `status_interval = 10` a `--duration 1` run stopped after 10 s).
+pub fn every_until(
+    interval: Duration,
+    mut moment: Option<Instant>,
+    stop: &Stop,
+    mut tick: impl FnMut(Duration) -> bool,
+) {
     let mut last = Instant::now();
     let mut next = last + interval;
     while !stop.is_asked() {
         let now = Instant::now();
-        if now >= next || stop.rung.swap(false, Ordering::AcqRel) {
+        let at_moment = moment.is_some_and(|m| now >= m);
+        if now >= next || at_moment || stop.rung.swap(false, Ordering::AcqRel) {
+            if at_moment {
+                moment = None;
+            }
             if !tick(now - last) {
                 return;
             }
             last = now;
             next = now + interval;
         }
-        stop.sleep(next.saturating_duration_since(Instant::now()));
+        let wake = moment.map_or(next, |m| m.min(next));
+        stop.sleep(wake.saturating_duration_since(Instant::now()));
     }
 }
 

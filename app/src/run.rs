@@ -13,7 +13,7 @@ use rdmastream::stats::get;
 use rdmastream::transport::Connector;
 
 use crate::Error;
-use crate::cli::{ByteSize, ConfigError, every};
+use crate::cli::{ByteSize, ConfigError, every, every_until};
 use crate::config::{Device, SenderConfig, Source};
 use crate::http::HttpServer;
 use crate::monitor::{Engine, Monitor, ReceiverEngine, Role, SenderEngine};
@@ -235,27 +235,6 @@ pub fn sender(
     }
     let started = Instant::now();
     let deadline = duration.map(|s| started + Duration::from_secs_f64(s.max(0.0)));
-    // `--duration` is kept to the moment, not to the next status line: the loop below looks at
-    // the deadline only when it ticks, and with `status_interval = 10` a `--duration 1` run
-    // stopped after 10 s. At the deadline this rings the loop, which ticks at once.
-    if let Some(deadline) = deadline {
-        let ring = stop.clone();
-        std::thread::Builder::new()
-            .name("duration".into())
-            .spawn(move || {
-                while let Some(left) = deadline
-                    .checked_duration_since(Instant::now())
-                    .filter(|left| !left.is_zero())
-                {
-                    std::thread::sleep(left);
-                }
-                ring.ring();
-            })
-            .map_err(|source| Error::Io {
-                what: "starting the --duration timer".into(),
-                source,
-            })?;
-    }
     let counters = sender.counters();
     let name = cfg.name.clone();
     let tick = |sender: &SenderHandle, elapsed: Duration| {
@@ -280,8 +259,10 @@ pub fn sender(
     };
     // The devices are in the metrics from the start, not from the first status line.
     tick(&sender, Duration::ZERO);
-    every(
+    // A tick at the deadline too, so that `--duration` is kept to the moment.
+    every_until(
         Duration::from_secs_f64(cfg.status_interval),
+        deadline,
         &stop,
         |elapsed| {
             tick(&sender, elapsed);

@@ -343,8 +343,7 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
     }
     let reassembly =
         RegionSettings::reassembly_for(cfg.blocks, cfg.block_size, cfg.max_frame_bytes.0 as usize);
-    // What `RegionSettings::reserve_region` takes from the budget for one sender.
-    let per_sender = (cfg.blocks as u64) * (cfg.block_size as u64) + reassembly as u64;
+    let per_sender = RegionSettings::budget_need(cfg.blocks, cfg.block_size, reassembly) as u64;
     if cfg.memory_budget.0 < per_sender {
         return Err(err(
             "memory_budget",

@@ -754,13 +754,15 @@ impl RegionSettings {
             .saturating_add(max_frame.saturating_mul(2))
     }
 
-    /// The bytes of a region that the memory budget counts: its N blocks of B bytes. Its status
-    /// array (N bytes, under 2 % of the blocks) is a per-sender overhead like the connection's
-    /// locks, threads and page rounding, bounded by `max_senders`, and not counted: so a budget
-    /// of `max_senders` × (N × B + reassembly share) admits exactly `max_senders` senders (the
-    /// shipped 1 GiB admits the shipped 16; counting the status bytes refused the 16th).
-    pub fn region_bytes(&self) -> usize {
-        self.blocks.saturating_mul(self.block_size)
+    /// What one sender takes from the memory budget ([`RegionSettings::reserve_region`], and a
+    /// receiver's config check before it starts): its region's `blocks` blocks of `block_size`
+    /// bytes and its `reassembly` share. The region's status array (one byte per block, under
+    /// 2 % of the blocks) is a per-sender overhead like the connection's locks, threads and page
+    /// rounding, bounded by `max_senders`, and not counted: so a budget of `max_senders` times
+    /// this admits exactly `max_senders` senders (the shipped 1 GiB admits the shipped 16;
+    /// counting the status bytes refused the 16th).
+    pub fn budget_need(blocks: usize, block_size: usize, reassembly: usize) -> usize {
+        blocks.saturating_mul(block_size).saturating_add(reassembly)
     }
 
     /// Admits an authenticated sender: its blocks must fit this receiver's (a sender that states
@@ -817,7 +819,7 @@ impl RegionSettings {
     /// reassembly. `Err` is the refusal.
     pub fn reserve_region(&self) -> std::result::Result<SenderMemory, (RefusalKind, String)> {
         let budget = self.access.budget();
-        let need = self.region_bytes().saturating_add(self.reassembly);
+        let need = Self::budget_need(self.blocks, self.block_size, self.reassembly);
         let mut all = budget.try_reserve(need).ok_or_else(|| {
             (
                 RefusalKind::MemoryBudget,
