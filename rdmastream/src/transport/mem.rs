@@ -48,12 +48,14 @@ impl MemFabric {
         };
         self.listeners
             .lock()
-            .insert(name.to_string(), (settings, tx, refusals.clone()));
+            .insert(name.to_string(), (settings, tx.clone(), refusals.clone()));
         MemListener {
             name: name.to_string(),
             rx,
+            tx,
             refusals,
             wake,
+            fabric: self.clone(),
         }
     }
 
@@ -73,6 +75,32 @@ pub struct MemListener {
     /// Connections the fabric refused on this listener's behalf (kept at most MAX_REFUSALS).
     refusals: Refusals,
     wake: AcceptWake,
+    /// The sending end of `rx`, as the fabric lists it (to know the entry is this listener's).
+    tx: Sender<Accepted>,
+    fabric: MemFabric,
+}
+
+/// A listener that goes away takes its name off the fabric (unless a newer listener took it
+/// meanwhile), and ends the connections made to it that it never accepted: a sender that
+/// connected while the receiver was stopping then sees the receiver gone and connects again,
+/// to the next listener of that name, instead of writing into a region nobody polls.
+/// [`MemConnector::connect`] hands a connection over under the fabric's lock, so none can
+/// arrive after the name is gone.
+impl Drop for MemListener {
+    fn drop(&mut self) {
+        {
+            let mut listeners = self.fabric.listeners.lock();
+            if listeners
+                .get(&self.name)
+                .is_some_and(|(_, tx, _)| tx.same_channel(&self.tx))
+            {
+                listeners.remove(&self.name);
+            }
+        }
+        for accepted in self.rx.try_iter() {
+            accepted.region.disconnect();
+        }
+    }
 }
 
 impl Listener for MemListener {
@@ -190,10 +218,20 @@ impl Connector for MemConnector {
             lease,
             memory: memory.reassembly,
         };
-        tx.send(accepted).map_err(|_| Error::Connect {
-            peer: peer.clone(),
-            source: std::io::ErrorKind::ConnectionRefused.into(),
-        })?;
+        // Handed over only while the listener is still listed (see MemListener's drop).
+        let listed = {
+            let listeners = self.fabric.listeners.lock();
+            listeners
+                .get(&self.name)
+                .is_some_and(|(_, now, _)| now.same_channel(&tx))
+                && tx.send(accepted).is_ok()
+        };
+        if !listed {
+            return Err(Error::Connect {
+                peer: peer.clone(),
+                source: std::io::ErrorKind::ConnectionRefused.into(),
+            });
+        }
         Ok(Box::new(MemConnection {
             peer,
             region,
@@ -287,6 +325,14 @@ impl Connection for MemConnection {
         Ok(())
     }
     fn post_read(&mut self, wr_id: u64, remote: RemoteAddr, len: usize) -> Result<()> {
+        // A sender that only syncs (waiting for a lossless message's confirmation) must see
+        // the receiver go away too.
+        if self.region.is_closed() {
+            return Err(Error::Disconnected {
+                peer: self.peer.clone(),
+                reason: "the receiver went away".into(),
+            });
+        }
         let data = self
             .region
             .read_remote(remote.target, remote.offset, len)
@@ -308,5 +354,71 @@ impl Connection for MemConnection {
     }
     fn take_notices(&mut self) -> Vec<super::Notice> {
         self.region.take_notices()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::handshake::{DataPath, PROTOCOL_VERSION};
+    use crate::transport::Target;
+
+    fn hello() -> Hello {
+        Hello {
+            version: PROTOCOL_VERSION,
+            sender: "mem-test".into(),
+            nonce: [0; 32],
+            mechanism: Default::default(),
+            session: 1,
+            block_size: 0,
+            data_path: DataPath::Tcp,
+            qp: Default::default(),
+        }
+    }
+
+    fn connect(fabric: &MemFabric, name: &str) -> Result<Box<dyn Connection>> {
+        fabric
+            .connector(name)
+            .connect(&hello(), None, &SendBlocks::new(2, 256))
+    }
+
+    fn sync(conn: &mut dyn Connection) -> Result<()> {
+        let statuses = RemoteAddr {
+            target: Target::Statuses,
+            offset: 0,
+        };
+        conn.post_read(1, statuses, 4)
+    }
+
+    /// A sender that only syncs (a lossless message waiting for its confirmation) learns that
+    /// the receiver went away from the sync itself, as one that writes does from its write.
+    #[test]
+    fn a_sync_after_the_receiver_went_away_fails() {
+        let fabric = MemFabric::new();
+        let mut listener = fabric.listen("rx", RegionSettings::plain(4, 256));
+        let mut conn = connect(&fabric, "rx").unwrap();
+        let accepted = listener.accept(Duration::ZERO).unwrap().expect("accepted");
+        sync(conn.as_mut()).unwrap();
+        accepted.region.disconnect();
+        let e = sync(conn.as_mut()).unwrap_err();
+        assert!(e.to_string().contains("went away"), "{e}");
+    }
+
+    /// A connection a listener never accepted before it went away is ended, a connect after it
+    /// is refused, and a newer listener of the same name is not unlisted by the older one.
+    #[test]
+    fn a_listener_that_goes_away_ends_what_it_never_accepted() {
+        let fabric = MemFabric::new();
+        let old = fabric.listen("rx", RegionSettings::plain(4, 256));
+        let mut waiting = connect(&fabric, "rx").unwrap();
+        drop(old);
+        assert!(sync(waiting.as_mut()).is_err(), "the unaccepted connection ended");
+        assert!(connect(&fabric, "rx").is_err(), "nobody listens");
+        let older = fabric.listen("rx", RegionSettings::plain(4, 256));
+        let mut newer = fabric.listen("rx", RegionSettings::plain(4, 256));
+        drop(older);
+        let mut conn = connect(&fabric, "rx").expect("the newer listener is listed");
+        let _accepted = newer.accept(Duration::ZERO).unwrap().expect("accepted");
+        sync(conn.as_mut()).unwrap();
     }
 }
