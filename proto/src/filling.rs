@@ -179,6 +179,35 @@ impl FillingMachine {
         }
     }
 
+    /// The format of `device` planned again, with its text, when a connection dropped since it
+    /// was last sent: called before the device's end, so that a receiver that is a new process
+    /// learns the format of the frames the sender resent to it (a lossless device's, which go
+    /// out again without their format) even when no frame follows. `None` when the format is
+    /// current or the device never sent one.
+    ///
+    /// # Panics
+    /// If `device` is not streaming.
+    pub fn stale_format(&mut self, device: u8, timestamp_ns: u64) -> Option<(Message, String)> {
+        let drops = self.drops;
+        let dev = self
+            .streaming
+            .get_mut(&device)
+            .expect("device is streaming");
+        if dev.format_epoch == drops {
+            return None;
+        }
+        let format = dev.format.clone()?;
+        dev.format_epoch = drops;
+        let msg = self.plan(
+            device,
+            MessageKind::Format,
+            self.device(device).numbering.next_frame(),
+            format.len(),
+            MessageTimes::at(timestamp_ns),
+        )?;
+        Some((msg, format))
+    }
+
     fn device(&self, device: u8) -> &Streaming {
         self.streaming
             .get(&device)
@@ -271,6 +300,29 @@ mod tests {
         m.handle_disconnected();
         assert!(frame(&mut m, 1, "b", 4).format.is_some(), "after a drop");
         assert!(frame(&mut m, 1, "b", 5).format.is_none());
+    }
+
+    /// Before a device's end, its format goes out again if a connection dropped since it was
+    /// sent (once), and not otherwise.
+    #[test]
+    fn a_stale_format_goes_out_before_the_end_after_a_drop() {
+        let mut m = FillingMachine::new(BLOCK, 4, 0);
+        m.add_device(1, true);
+        m.handle_disconnected();
+        assert!(m.stale_format(1, 0).is_none(), "no format sent yet");
+        frame(&mut m, 1, "a", 0);
+        assert!(m.stale_format(1, 0).is_none(), "no drop since");
+        m.handle_disconnected();
+        let (msg, text) = m.stale_format(1, 7).expect("stale after a drop");
+        assert_eq!((msg.kind, text.as_str()), (MessageKind::Format, "a"));
+        assert!(
+            msg.reliable,
+            "a lossless device's format is kept until confirmed"
+        );
+        assert!(m.stale_format(1, 8).is_none(), "sent once");
+        assert!(m.frame_alone(1, "a"), "the next frame needs no format");
+        let (end, _) = m.end(1, 9);
+        assert_eq!(end.headers[0].packet, msg.headers[0].packet.wrapping_add(1));
     }
 
     /// `frame_alone` says beforehand, without changing anything, what `frame` will plan.

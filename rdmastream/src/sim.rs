@@ -1228,6 +1228,9 @@ impl Pair {
                     .push_back((frame, payload(d.id, f, d.frame_len), 0));
             }
             Queued::End => {
+                if let Some((m, text)) = self.filling.stale_format(d.id, ts) {
+                    self.pending.push_back((m, text.into_bytes(), 0));
+                }
                 let (end, resumed) = self.filling.end(d.id, ts);
                 self.pending.push_back((end, Vec::new(), 0));
                 self.streaming.remove(&d.id);

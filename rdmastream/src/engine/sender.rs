@@ -1753,7 +1753,22 @@ fn filling_loop(
             Msg::End => {
                 let (_, _, queue) = queues.remove(pos);
                 queue.admitted.store(false, Ordering::Release);
-                let (end, resumed) = machine.end(device, unix_now_ns());
+                // After a drop, the format first: the frames resent to a new receiver process
+                // went without it, and no frame follows to bring it.
+                let now = unix_now_ns();
+                let format_ok = machine.stale_format(device, now).is_none_or(|(m, text)| {
+                    fill(
+                        coalescer,
+                        Some(m),
+                        device,
+                        &FrameData::Bytes(bytes::Bytes::from(text.into_bytes())),
+                        now,
+                    )
+                });
+                if !format_ok {
+                    return;
+                }
+                let (end, resumed) = machine.end(device, now);
                 if resumed.is_some()
                     && let Some(k) = waiting.iter().position(|(d, _, _)| *d == device)
                 {
