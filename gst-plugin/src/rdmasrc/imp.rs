@@ -40,6 +40,11 @@ const DEFAULT_LATENCY_MS: u32 = 0;
 const DEFAULT_MAX_BUFFERS: u32 = 8;
 const DEFAULT_DROP_POLICY: DropPolicyProperty = DropPolicyProperty::Block;
 const DEFAULT_WAIT_FOR_SENDER: bool = true;
+/// Frames held at most while no caps have come (see `Started::held`): more than a lossless
+/// `rdmasink` keeps unconfirmed (4) and than a sender binary's default send blocks hold. Each is
+/// a copy from the memory budget or one of the receiver's retained blocks (at most half of
+/// them are retained before frames are copied), so holding them cannot starve the region.
+const FRAMES_HELD_FOR_CAPS: usize = 16;
 /// `timeout`: 0 (never), as udpsrc.
 const DEFAULT_TIMEOUT_NS: u64 = 0;
 const DEFAULT_MAX_SENDERS: u32 = 16;
@@ -142,6 +147,10 @@ struct Started {
     frames: u64,
     bytes: u64,
     frames_before_caps: u64,
+    /// Frames that came before any caps, held until the caps come (at most
+    /// [`FRAMES_HELD_FOR_CAPS`]): a lossless sender resends its unconfirmed frames to a restarted
+    /// receiver before it resends the format.
+    held: std::collections::VecDeque<Frame>,
     /// Idle checks in a row that found the sender gone, and whether that was reported.
     gone_checks: u32,
     gone_reported: bool,
@@ -164,6 +173,9 @@ enum State {
 pub struct RdmaSrc {
     settings: Mutex<Settings>,
     state: Mutex<State>,
+    /// The acknowledgement of the frame last handed downstream (a lossless sender's: see
+    /// [`RdmaSrc::settle_handed`]).
+    handed: Mutex<Option<rdmastream::proto::ack::Ack>>,
 }
 
 #[glib::object_subclass]
@@ -269,13 +281,8 @@ impl RdmaSrc {
             return Err(gst::FlowError::Flushing);
         };
         if s.caps.is_none() {
+            // `hold_before_caps` keeps such frames back; one here is dropped.
             s.frames_before_caps += 1;
-            gst::debug!(
-                CAT,
-                imp = self,
-                "frame {} arrived before any caps; dropped",
-                frame.index
-            );
             return Ok(None);
         }
         let mut discont = s.next_index != Some(frame.index);
@@ -870,6 +877,7 @@ impl BaseSrcImpl for RdmaSrc {
             frames: 0,
             bytes: 0,
             frames_before_caps: 0,
+            held: Default::default(),
             gone_checks: 0,
             gone_reported: false,
             refusals_seen,
@@ -881,6 +889,10 @@ impl BaseSrcImpl for RdmaSrc {
     }
 
     fn stop(&self) -> Result<(), gst::ErrorMessage> {
+        // Not settled: the base class may have held the last buffer without pushing it (a live
+        // source paused after `create`), so a lossless sender sends it again to the next
+        // receiver. After EOS it was settled already (by the `create` that found the end).
+        self.handed.lock().unwrap().take();
         let state = std::mem::take(&mut *self.state.lock().unwrap());
         if let State::Started(s) = state {
             // Queued frames are dropped here: their retained blocks go back to the sender.
@@ -918,16 +930,102 @@ impl BaseSrcImpl for RdmaSrc {
     }
 }
 
+impl RdmaSrc {
+    /// A frame that comes before any caps is held (Some: it may be handed on now). When
+    /// [`FRAMES_HELD_FOR_CAPS`] are held already, the oldest is dropped and counted
+    /// (`frames-before-caps`), so the caps that follow them always get through.
+    ///
+    /// A held frame is settled at once: a lossless `rdmasink` sends its caps with the frame
+    /// after the ones it resends to a restarted receiver, and it waits for those to be
+    /// confirmed before it takes that frame. So the frames a restarted `rdmasrc` holds before
+    /// its first caps are the one case where a frame is confirmed before it went downstream;
+    /// they are lost only if this process dies too within the round trip that brings the caps.
+    fn hold_before_caps(&self, mut frame: Frame) -> Option<Frame> {
+        let mut state = self.state.lock().unwrap();
+        let State::Started(s) = &mut *state else {
+            return Some(frame); // `frame_buffer` answers Flushing
+        };
+        if s.caps.is_some() {
+            return Some(frame);
+        }
+        gst::debug!(
+            CAT,
+            imp = self,
+            "frame {} arrived before any caps; held until they come",
+            frame.index
+        );
+        // Taken out and dropped too: the block is freed once its ack is settled and gone.
+        rdmastream::proto::ack::settle(&frame.ack.take());
+        s.held.push_back(frame);
+        if s.held.len() > FRAMES_HELD_FOR_CAPS
+            && let Some(old) = s.held.pop_front()
+        {
+            s.frames_before_caps += 1;
+            gst::debug!(
+                CAT,
+                imp = self,
+                "frame {} held before caps dropped: {FRAMES_HELD_FOR_CAPS} newer ones are held",
+                old.index
+            );
+        }
+        None
+    }
+
+    /// The oldest frame held before caps, once there are caps.
+    fn take_held(&self) -> Option<Frame> {
+        match &mut *self.state.lock().unwrap() {
+            State::Started(s) if s.caps.is_some() => s.held.pop_front(),
+            _ => None,
+        }
+    }
+
+    /// `frame` as a buffer to push, remembering its acknowledgement for [`Self::settle_handed`];
+    /// None (and settled) for a frame dropped on purpose. A frame that cannot be handed on
+    /// (flushing) is not settled: a lossless sender sends it again.
+    fn hand_on(&self, frame: Frame) -> Result<Option<gst::Buffer>, gst::FlowError> {
+        let ack = frame.ack.clone();
+        match self.frame_buffer(frame)? {
+            Some(buffer) => {
+                *self.handed.lock().unwrap() = ack;
+                Ok(Some(buffer))
+            }
+            None => {
+                rdmastream::proto::ack::settle(&ack);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Settles the acknowledgement of the frame last handed downstream. A lossless sender keeps
+    /// a frame until then, so it is called once downstream is done with the buffer's push: at
+    /// the next `create` (the base class calls it only after a push returned OK: synchronous
+    /// elements such as filesink have written the frame by then). A frame that never got that
+    /// far (the process was killed, the element stopped first) stays unconfirmed, and the
+    /// sender resends it to the next receiver: at most that one frame may arrive twice.
+    fn settle_handed(&self) {
+        if let Some(ack) = self.handed.lock().unwrap().take() {
+            ack.done();
+        }
+    }
+}
+
 impl PushSrcImpl for RdmaSrc {
     fn create(
         &self,
         _buffer: Option<&mut gst::BufferRef>,
     ) -> Result<CreateSuccess, gst::FlowError> {
+        self.settle_handed();
         let route = match &*self.state.lock().unwrap() {
             State::Started(s) => s.route.clone(),
             State::Stopped => return Err(gst::FlowError::Flushing),
         };
         loop {
+            if let Some(frame) = self.take_held() {
+                if let Some(buffer) = self.hand_on(frame)? {
+                    return Ok(CreateSuccess::NewBuffer(buffer));
+                }
+                continue;
+            }
             self.report_refusals();
             self.report_conflicts(&route);
             let popped = route.queue.pop(IDLE_CHECK);
@@ -941,12 +1039,9 @@ impl PushSrcImpl for RdmaSrc {
                     return Err(gst::FlowError::Eos);
                 }
                 Popped::Item(Item::Frame(frame)) => {
-                    // Handed into the pipeline (or dropped here on purpose): a lossless frame's
-                    // block may go back to the sender once the buffer lets go of it.
-                    let ack = frame.ack.clone();
-                    let buffer = self.frame_buffer(frame);
-                    rdmastream::proto::ack::settle(&ack);
-                    if let Some(buffer) = buffer? {
+                    if let Some(frame) = self.hold_before_caps(frame)
+                        && let Some(buffer) = self.hand_on(frame)?
+                    {
                         return Ok(CreateSuccess::NewBuffer(buffer));
                     }
                 }
