@@ -179,6 +179,10 @@ pub struct LeaseRequest<'a> {
     pub verbs: VerbsSettings,
     pub element: &'a str,
     pub device: u8,
+    /// `lossless`: the device's frames are acknowledged end to end (kept until the receiver
+    /// confirms it handed them on, resent after a reconnect), as the sender binary's `block`
+    /// devices are.
+    pub lossless: bool,
 }
 
 impl DeviceLease {
@@ -255,7 +259,13 @@ impl DeviceLease {
         let handle = guard.as_ref().expect("running while registered");
         // The core's queue never blocks (drop-oldest); `block` is done by the element waiting
         // for room first (see `in_flight`), which, unlike a blocked push, can be interrupted.
-        let input = handle.add_device(req.device, rdmastream::engine::DropPolicy::DropOldest);
+        // A lossless device's frames count as in flight until confirmed, so that wait also
+        // keeps the queue from ever dropping one of them.
+        let input = handle.add_device_with(
+            req.device,
+            rdmastream::engine::DropPolicy::DropOldest,
+            req.lossless,
+        );
         let counters = handle.counters().device(&req.device);
         drop(guard);
         devices.insert(req.device, req.element.to_string());
@@ -298,7 +308,8 @@ impl DeviceLease {
         self.shared.is_finished()
     }
 
-    /// Frames handed over and neither fully written nor dropped yet.
+    /// Frames handed over and neither fully written nor dropped yet (for a lossless device:
+    /// not yet confirmed by the receiver, which includes those to be resent after a reconnect).
     pub fn in_flight(&self) -> u64 {
         let done = self.counters.frames.load(Ordering::Relaxed)
             + self.counters.drops.load(Ordering::Relaxed);

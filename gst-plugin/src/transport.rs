@@ -66,9 +66,9 @@ impl Transport {
 #[repr(u32)]
 #[enum_type(name = "GstRdmaDropPolicy")]
 pub enum DropPolicyProperty {
-    /// Wait for room (back-pressure): nothing is dropped while connected. Not the sender
-    /// binary's end-to-end lossless `block` devices: `rdmasink` does not resend frames that
-    /// were in flight when a connection was lost.
+    /// Wait for room (back-pressure): nothing is dropped while connected. End to end lossless,
+    /// as the sender binary's `block` devices (frames in flight when a connection is lost are
+    /// resent), only with `rdmasink`'s `lossless=true`.
     #[default]
     #[enum_value(
         name = "Block: wait for room (back-pressure, nothing dropped)",

@@ -553,6 +553,110 @@ fn a_receiver_restarted_mid_stream_gets_the_rest_of_the_stream() {
     }
 }
 
+/// `lossless=true`: a receiver killed (SIGKILL) mid-stream and started again loses nothing.
+/// The first receiver wrote frames 0..k in order; the restarted one gets every later frame in
+/// order, starting at or before k (the frames the first had not confirmed are sent again, so
+/// the two may share a few at the cut; a frame confirmed was written, as multifilesink writes
+/// it before the push that carried it returns). Without `lossless` the frames waiting at the
+/// slow first receiver are lost at the kill, and the check that the second starts at or before
+/// k fails.
+#[test]
+fn a_lossless_sink_loses_no_frame_when_the_receiver_is_killed_and_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let port = free_port();
+    const FRAME: usize = 160 * 120 * 3;
+    const FRAMES: usize = 250;
+    let caps = "video/x-raw,format=RGB,width=160,height=120,framerate=50/1";
+    run(
+        d,
+        "reference",
+        &format!(
+            "videotestsrc num-buffers={FRAMES} pattern=ball ! {caps} ! filesink location=ref.raw"
+        ),
+    );
+    // The first receiver takes 30 ms a frame, slower than the 50 fps source, so frames wait in
+    // its queue and region when it is killed.
+    let receiver = |name: &str, prefix: &str, slow: &str| {
+        Launch::start(
+            d,
+            name,
+            &format!(
+                "rdmasrc port={port} device-id=0 ! {slow} multifilesink location={prefix}-%03d.raw"
+            ),
+        )
+    };
+    let first = receiver("receiver-1", "first", "identity sleep-time=30000 !");
+    let tx = Launch::start(
+        d,
+        "sender",
+        &format!(
+            "videotestsrc is-live=true num-buffers={FRAMES} pattern=ball ! {caps} ! \
+             rdmasink port={port} device-id=0 lossless=true"
+        ),
+    );
+    common::wait_for("the first receiver to write frames", || {
+        d.join("first-020.raw").exists()
+    });
+    first.kill();
+    let second = receiver("receiver-2", "second", "");
+    let log = tx.success();
+    second.success();
+    let reference = read(d.join("ref.raw"));
+    let frames: Vec<&[u8]> = reference.chunks(FRAME).collect();
+    assert_eq!(frames.len(), FRAMES);
+    let index_of = |f: &[u8], what: &str| {
+        frames
+            .iter()
+            .position(|r| *r == f)
+            .unwrap_or_else(|| panic!("{what} is none of videotestsrc's frames"))
+    };
+    // A file multifilesink had opened but not finished at the kill may be short: only the
+    // last one.
+    let mut got_first = numbered(d, "first-", ".raw");
+    if got_first.last().is_some_and(|f| f.len() != FRAME) {
+        got_first.pop();
+    }
+    let got_second = numbered(d, "second-", ".raw");
+    eprintln!(
+        "first receiver: {} frames, restarted receiver: {} frames",
+        got_first.len(),
+        got_second.len()
+    );
+    for (k, f) in got_first.iter().enumerate() {
+        assert_eq!(index_of(f, &format!("frame {k} of the first receiver")), k);
+    }
+    let start = index_of(
+        got_second
+            .first()
+            .expect("the restarted receiver got frames"),
+        "the restarted receiver's first frame",
+    );
+    assert!(
+        start <= got_first.len(),
+        "frames {}..{start} were lost: the first receiver wrote {} frames, the restarted one \
+         starts at frame {start}",
+        got_first.len(),
+        got_first.len()
+    );
+    for (k, f) in got_second.iter().enumerate() {
+        assert_eq!(
+            index_of(f, &format!("frame {k} of the restarted receiver")),
+            start + k,
+            "the restarted receiver's frames are not every frame from {start} in order"
+        );
+    }
+    assert_eq!(
+        start + got_second.len(),
+        FRAMES,
+        "the restarted receiver did not get the stream to its end"
+    );
+    assert!(
+        log.contains("lossless"),
+        "the sink's log does not say it is lossless:\n{log}"
+    );
+}
+
 /// `rdma://` URIs: `playbin` (through uridecodebin) finds `rdmasrc` for
 /// `rdma://HOST:PORT?device-id=N&...`, plays the stream to its end and exits.
 #[test]

@@ -38,6 +38,7 @@ const DEFAULT_IN_PLACE_BLOCKS: i32 = -1;
 const DEFAULT_BLOCK_SIZE: u32 = 1 << 20;
 const DEFAULT_DROP_POLICY: DropPolicyProperty = DropPolicyProperty::Block;
 const DEFAULT_RECONNECT: bool = true;
+const DEFAULT_LOSSLESS: bool = false;
 /// `reconnect-timeout`: 0 (retry for ever).
 const DEFAULT_RECONNECT_TIMEOUT_MS: u32 = 0;
 
@@ -68,6 +69,7 @@ struct Settings {
     key_file: Option<String>,
     sender_name: Option<String>,
     drop_policy: DropPolicyProperty,
+    lossless: bool,
     reconnect: bool,
     reconnect_timeout_ms: u32,
     stats_interval_ms: u32,
@@ -92,6 +94,7 @@ impl Default for Settings {
             key_file: None,
             sender_name: None,
             drop_policy: DEFAULT_DROP_POLICY,
+            lossless: DEFAULT_LOSSLESS,
             reconnect: DEFAULT_RECONNECT,
             reconnect_timeout_ms: DEFAULT_RECONNECT_TIMEOUT_MS,
             stats_interval_ms: crate::report::DEFAULT_STATS_INTERVAL_MS,
@@ -657,7 +660,13 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecEnum::builder_with_default("drop-policy", DEFAULT_DROP_POLICY)
                     .nick("Drop policy")
-                    .blurb("When the link is slower than the stream: block (wait: nothing is dropped while connected, but frames in flight when a connection is lost are not resent, unlike the sender binary's lossless devices) or drop-oldest (live; drops are counted in stats)")
+                    .blurb("When the link is slower than the stream: block (wait: nothing is dropped while connected; frames in flight when a connection is lost are resent only with lossless=true) or drop-oldest (live; drops are counted in stats)")
+                    .mutable_ready()
+                    .build(),
+                glib::ParamSpecBoolean::builder("lossless")
+                    .nick("Lossless")
+                    .blurb("Acknowledged end to end, as the sender binary's policy = \"block\": every frame is kept until the receiver confirms it handed the frame on (rdmasrc: downstream took the buffer; the receiver binary: the frame file is in place), and what was not confirmed is resent after a reconnect, so nothing is lost when the link drops or the receiver restarts (a restarted rdmasrc may get the last unconfirmed frames twice). Needs drop-policy=block; at most 4 frames unconfirmed at once")
+                    .default_value(DEFAULT_LOSSLESS)
                     .mutable_ready()
                     .build(),
                 glib::ParamSpecBoolean::builder("reconnect")
@@ -703,6 +712,7 @@ impl ObjectImpl for RdmaSink {
             "key-file" => s.key_file = value.get().expect("type checked upstream"),
             "sender-name" => s.sender_name = value.get().expect("type checked upstream"),
             "drop-policy" => s.drop_policy = value.get().expect("type checked upstream"),
+            "lossless" => s.lossless = value.get().expect("type checked upstream"),
             "reconnect" => s.reconnect = value.get().expect("type checked upstream"),
             "stats-interval" => s.stats_interval_ms = value.get().expect("type checked upstream"),
             "metrics" => s.metrics = value.get().expect("type checked upstream"),
@@ -731,6 +741,7 @@ impl ObjectImpl for RdmaSink {
             "key-file" => s.key_file.to_value(),
             "sender-name" => s.sender_name.to_value(),
             "drop-policy" => s.drop_policy.to_value(),
+            "lossless" => s.lossless.to_value(),
             "reconnect" => s.reconnect.to_value(),
             "reconnect-timeout" => s.reconnect_timeout_ms.to_value(),
             "stats-interval" => s.stats_interval_ms.to_value(),
@@ -805,6 +816,12 @@ impl ElementImpl for RdmaSink {
 impl BaseSinkImpl for RdmaSink {
     fn start(&self) -> Result<(), gst::ErrorMessage> {
         let settings = self.settings();
+        if settings.lossless && settings.drop_policy == DropPolicyProperty::DropOldest {
+            return Err(gst::error_msg!(
+                gst::ResourceError::Settings,
+                ("lossless=true keeps every frame, so it cannot drop the oldest: set drop-policy=block (the default) or lossless=false")
+            ));
+        }
         // Listed first: an address in use fails the start before anything connects.
         let metrics = match &settings.metrics {
             Some(addr) => Some(crate::metrics::list(addr, self.obj().upcast_ref()).map_err(
@@ -858,6 +875,7 @@ impl BaseSinkImpl for RdmaSink {
             },
             element: &element,
             device: settings.device_id as u8,
+            lossless: settings.lossless,
         })
         .map_err(|e| {
             gst::error_msg!(
@@ -901,9 +919,14 @@ impl BaseSinkImpl for RdmaSink {
         gst::info!(
             CAT,
             imp = self,
-            "device {} of sender '{}' to {peer}",
+            "device {} of sender '{}' to {peer}{}",
             settings.device_id,
-            lease.sender_name()
+            lease.sender_name(),
+            if settings.lossless {
+                " (lossless: every frame kept until the receiver confirms it)"
+            } else {
+                ""
+            }
         );
         *self.state.lock().unwrap() = State::Started(Started {
             _metrics: metrics,
@@ -1026,8 +1049,8 @@ impl BaseSinkImpl for RdmaSink {
                 State::Stopped => None,
             };
             if let Some(lease) = lease {
-                // Everything before EOS is written before the EOS message is posted, so a
-                // pipeline that exits on it loses nothing.
+                // Everything before EOS is written (lossless: confirmed by the receiver) before
+                // the EOS message is posted, so a pipeline that exits on it loses nothing.
                 match self.wait_in_flight(&lease, 1) {
                     Ok(()) => {}
                     Err(Stop::Flushing) => return false,

@@ -23,9 +23,11 @@
 //! free by then it gets an ordinary buffer, which is copied like any buffer from elsewhere. The
 //! `blocks` are the filling thread's own (copied frames, caps, EOS): a
 //! committed frame waiting in a queue never holds a block the filling thread needs to get to it.
-//! (`drop-policy=block` is back-pressure, not the sender binary's end-to-end lossless delivery:
-//! the element's device is a live one to the core, so a frame in flight when a connection is
-//! lost is not resent.) A frame that does not fit one block (`block-size` minus 60 bytes of header and
+//! (`drop-policy=block` alone is back-pressure; `lossless=true` registers the device with the core
+//! as a lossless one, as the sender binary's `policy = "block"`: its blocks, pooled ones too, are
+//! kept until the receiver confirms the frame, and what was not confirmed when a connection was
+//! lost is resent on the next; the element counts such a frame in flight until then, at most 4.)
+//! A frame that does not fit one block (`block-size` minus 60 bytes of header and
 //! trailer) gets an ordinary buffer; any buffer not from the pool is copied: by `render` itself
 //! into an in-place block when one is free (it waits up to 2 ms for one with `drop-policy=block`,
 //! 1 ms with `drop-oldest` while the sink's earlier frames are still on their way; `stats`
