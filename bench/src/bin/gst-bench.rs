@@ -92,7 +92,7 @@ struct Run {
     blocks: u32,
     /// rdmasrc's `max-buffers` (0: not set, its default 8).
     max_buffers: u32,
-    /// rdmasink's `drop-policy` (block or drop-oldest).
+    /// rdmasink's `drop-policy` (block or drop-oldest), or `lossless` (block, `lossless=true`).
     drop_policy: String,
     /// `--pin`: the sending process on core 0 and the receiving one on core 1 (`taskset`), as
     /// with sender and receiver on two hosts, where neither takes the other's CPU.
@@ -125,9 +125,12 @@ impl Run {
         );
         let sink = match self.variant {
             Variant::Rdma => format!(
-                "rdmasink host={} port={port} transport={transport} sync=false drop-policy={}",
+                "rdmasink host={} port={port} transport={transport} sync=false {}",
                 self.rdma_host(),
-                self.drop_policy
+                match self.drop_policy.as_str() {
+                    "lossless" => "drop-policy=block lossless=true".to_string(),
+                    other => format!("drop-policy={other}"),
+                }
             ),
             // A bounded client queue that skips to the newest buffer when the client lags,
             // instead of growing without limit.
@@ -469,13 +472,14 @@ fn main() {
     };
     if args.iter().any(|a| a == "--help" || a == "-h") {
         println!(
-            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500] [--blocks 0] [--max-buffers 0] [--drop-policy block] [--pin]\n\
+            "gst-bench [--seconds 5] [--warmup 1] [--transport tcp|verbs|auto|shm] [--only rdma,tcp,shm] [--in-place] [--poll-spin 50] [--poll-max 500] [--blocks 0] [--max-buffers 0] [--drop-policy block|drop-oldest|lossless] [--pin]\n\
              Compares rdmasink/rdmasrc, tcpserversink/tcpclientsrc (gdp) and shmsink/shmsrc \
              for 640x480 RGB at 25 fps and unthrottled. --in-place: videotestsrc writes into \
              rdmasink's pool of send blocks (otherwise every sink copies each frame). --poll-spin, \
              --poll-max: rdmasrc's poll-spin and poll-max (µs). --blocks: rdmasrc's blocks \
              (0: its default, 16). --max-buffers: rdmasrc's max-buffers (0: its default, 8). \
-             --drop-policy: rdmasink's (block or drop-oldest). --pin: the sending process \
+             --drop-policy: rdmasink's (block or drop-oldest; lossless: block with \
+             lossless=true). --pin: the sending process \
              on core 0, the receiving one on core 1 (taskset), as on two hosts."
         );
         return;
@@ -495,8 +499,8 @@ fn main() {
         panic!("--pin needs two cores");
     }
     assert!(
-        ["block", "drop-oldest"].contains(&drop_policy.as_str()),
-        "--drop-policy is block or drop-oldest, not {drop_policy}"
+        ["block", "drop-oldest", "lossless"].contains(&drop_policy.as_str()),
+        "--drop-policy is block, drop-oldest or lossless, not {drop_policy}"
     );
     gst::init().unwrap();
     let dir = std::env::temp_dir().join(format!("gst-bench-{}", std::process::id()));
