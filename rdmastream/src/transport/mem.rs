@@ -412,7 +412,10 @@ mod tests {
         let old = fabric.listen("rx", RegionSettings::plain(4, 256));
         let mut waiting = connect(&fabric, "rx").unwrap();
         drop(old);
-        assert!(sync(waiting.as_mut()).is_err(), "the unaccepted connection ended");
+        assert!(
+            sync(waiting.as_mut()).is_err(),
+            "the unaccepted connection ended"
+        );
         assert!(connect(&fabric, "rx").is_err(), "nobody listens");
         let older = fabric.listen("rx", RegionSettings::plain(4, 256));
         let mut newer = fabric.listen("rx", RegionSettings::plain(4, 256));
