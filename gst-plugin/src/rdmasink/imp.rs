@@ -665,7 +665,7 @@ impl ObjectImpl for RdmaSink {
                     .build(),
                 glib::ParamSpecBoolean::builder("lossless")
                     .nick("Lossless")
-                    .blurb("Acknowledged end to end, as the sender binary's policy = \"block\": every frame is kept until the receiver confirms it handed the frame on (rdmasrc: downstream took the buffer; the receiver binary: the frame file is in place), and what was not confirmed is resent after a reconnect, so nothing is lost when the link drops or the receiver restarts (a restarted rdmasrc may get the last unconfirmed frames twice). Needs drop-policy=block; at most 4 frames unconfirmed at once")
+                    .blurb("Acknowledged end to end, as the sender binary's policy = \"block\": every frame is kept until the receiver confirms it handed the frame on (rdmasrc: downstream took the buffer; the receiver binary: the frame file is in place), and what was not confirmed is resent after a reconnect, so nothing is lost when the link drops or the receiver restarts (a restarted rdmasrc may get the last frame twice). Needs drop-policy=block; at most 4 frames unconfirmed at once")
                     .default_value(DEFAULT_LOSSLESS)
                     .mutable_ready()
                     .build(),
