@@ -52,6 +52,91 @@ impl Reporter {
     }
 }
 
+impl Reporter {
+    /// Whether the stats message is due now (only the timer: drops are reported with the
+    /// buffers that show them). For a thread that posts while no buffer comes.
+    pub fn stats_due(&mut self) -> bool {
+        self.check(0, self.drops_reported).stats
+    }
+}
+
+/// A thread that posts `element`'s stats message when it is due and nothing else posted it
+/// (a sink that gets no buffers, or waits for the link): so an application watching the bus
+/// sees a stalled or idle element's counters and `connected` too. `due` answers from the
+/// element's own [`Reporter`], shared with the streaming thread, so the two never post one
+/// interval's message twice. Stopped and joined on drop.
+pub struct Ticker {
+    stop: std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// How often a [`Ticker`] asks whether stats are due, at most.
+const TICK: Duration = Duration::from_millis(100);
+
+impl Ticker {
+    /// Starts the thread for `element` (held weakly) if `interval_ms` is not 0.
+    pub fn start(
+        element: &gst::Element,
+        interval_ms: u32,
+        due: impl Fn(&gst::Element) -> bool + Send + 'static,
+    ) -> Option<Ticker> {
+        if interval_ms == 0 {
+            return None;
+        }
+        let tick = TICK.min(Duration::from_millis(interval_ms as u64));
+        let stop = std::sync::Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let weak = element.downgrade();
+        let thread = std::thread::Builder::new()
+            .name("rdma-stats".into())
+            .spawn({
+                let stop = stop.clone();
+                move || {
+                    let (lock, cv) = &*stop;
+                    let mut stopped = lock.lock().unwrap();
+                    loop {
+                        stopped = cv.wait_timeout(stopped, tick).unwrap().0;
+                        if *stopped {
+                            return;
+                        }
+                        let Some(element) = weak.upgrade() else {
+                            return;
+                        };
+                        drop(stopped);
+                        if due(&element) {
+                            post(
+                                &element,
+                                Due {
+                                    qos: None,
+                                    stats: true,
+                                },
+                                None,
+                            );
+                        }
+                        stopped = lock.lock().unwrap();
+                    }
+                }
+            })
+            .ok()?;
+        Some(Ticker {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        *self.stop.0.lock().unwrap() = true;
+        self.stop.1.notify_all();
+        if let Some(t) = self.thread.take() {
+            // A ticker dropped on its own thread (it held the last element ref) cannot join it.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
 /// Posts what `due` says on `element`'s bus: a QoS message (live, with the buffer's times when
 /// known) and the element's `stats` property as an element message. Call without holding the
 /// element's locks (reading `stats` takes them).

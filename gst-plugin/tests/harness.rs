@@ -727,6 +727,39 @@ fn a_sink_gives_up_after_its_reconnect_timeout() {
 /// Drops are visible: under `drop-policy=drop-oldest` the element posts QoS messages with the
 /// processed and dropped counts, and its `stats` arrive as element messages every
 /// `stats-interval` ms (what `gst-launch-1.0 -m` prints).
+/// A sink that gets no buffer (its receiver is not there, upstream has nothing yet) still
+/// posts its stats every `stats-interval`, saying it is not connected, and stops posting once
+/// it stops.
+#[test]
+fn an_idle_sink_still_posts_stats_messages() {
+    init();
+    let port = free_port();
+    let e = sink_element(port, 4, &[("stats-interval", 100u32.to_value())]);
+    let bus = bus_of(&e);
+    let h = sink_harness(&e, GRAY);
+    let is_stats = |m: &gst::Message| {
+        matches!(m.view(), gst::MessageView::Element(el)
+            if el.structure().is_some_and(|s| s.name() == "application/x-rdmasink-stats"))
+    };
+    for _ in 0..3 {
+        let m = message_where(&bus, "a stats message from the idle sink", is_stats);
+        let gst::MessageView::Element(el) = m.view() else {
+            unreachable!()
+        };
+        let st = el.structure().unwrap();
+        assert_eq!(st.get::<bool>("connected").unwrap(), false, "{st}");
+        assert_eq!(st.get::<u64>("frames-written").unwrap(), 0, "{st}");
+    }
+    e.set_state(gst::State::Null).unwrap();
+    while bus.pop().is_some() {}
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    assert!(
+        std::iter::from_fn(|| bus.pop()).all(|m| !is_stats(&m)),
+        "stats after the sink stopped"
+    );
+    drop(h);
+}
+
 #[test]
 fn drops_post_qos_messages_and_stats_arrive_as_element_messages() {
     init();

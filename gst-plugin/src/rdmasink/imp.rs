@@ -159,6 +159,8 @@ enum State {
 pub struct RdmaSink {
     settings: Mutex<Settings>,
     state: Mutex<State>,
+    /// Posts the stats message while no buffer is rendered (idle, or waiting for the link).
+    ticker: Mutex<Option<crate::report::Ticker>>,
     /// Set between `unlock` and `unlock_stop`: every wait gives up.
     flushing: AtomicBool,
     /// Frames rendered in place (buffers of our pool), those of them rendered straight into
@@ -951,10 +953,25 @@ impl BaseSinkImpl for RdmaSink {
         self.copied_to_receiver.store(0, Ordering::Relaxed);
         self.copies_waited.store(0, Ordering::Relaxed);
         self.last_path.store(0, Ordering::Relaxed);
+        *self.ticker.lock().unwrap() = crate::report::Ticker::start(
+            self.obj().upcast_ref(),
+            settings.stats_interval_ms,
+            |element| {
+                let Some(sink) = element.downcast_ref::<super::RdmaSink>() else {
+                    return false;
+                };
+                match &mut *sink.imp().state.lock().unwrap() {
+                    State::Started(s) => s.reporter.stats_due(),
+                    State::Stopped => false,
+                }
+            },
+        );
         Ok(())
     }
 
     fn stop(&self) -> Result<(), gst::ErrorMessage> {
+        // Joined before the state goes: the ticker reads it.
+        drop(self.ticker.lock().unwrap().take());
         let state = std::mem::take(&mut *self.state.lock().unwrap());
         if let State::Started(s) = state {
             let linger = if s.eos {

@@ -73,8 +73,9 @@
 //! warning naming this sender). A smaller one leaves the rest of each receiver block unused.
 //!
 //! Frames dropped under `drop-policy=drop-oldest` post QoS messages; the `stats` structure is
-//! posted as an element message every `stats-interval` ms while buffers are rendered (it is
-//! looked at after each one; an idle sink posts none, read the `stats` property then), and with `metrics=127.0.0.1:9100`
+//! posted as an element message every `stats-interval` ms (looked at after each buffer, and by a
+//! small thread of the element's, `report::Ticker`, every 100 ms at most, so a sink that gets no
+//! buffers or waits for its receiver posts them too), and with `metrics=127.0.0.1:9100`
 //! served as Prometheus metrics at `http://127.0.0.1:9100/metrics` (one server for every
 //! element of the process naming that address). The element handles
 //! `rdma://HOST:PORT?device-id=N&...` URIs (every query parameter is a property), and
