@@ -252,20 +252,8 @@ impl Drop for Lease {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::handshake::{DataPath, PROTOCOL_VERSION, QpInfo};
 
-    fn hello(name: &str, session: u64) -> Hello {
-        Hello {
-            version: PROTOCOL_VERSION,
-            sender: name.into(),
-            session,
-            block_size: 0,
-            data_path: DataPath::Tcp,
-            qp: QpInfo::default(),
-            nonce: [0; 32],
-            mechanism: Default::default(),
-        }
-    }
+    use crate::transport::test_hello as hello;
 
     #[test]
     fn one_name_one_owner_and_a_cap_on_senders() {

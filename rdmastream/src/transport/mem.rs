@@ -360,26 +360,12 @@ impl Connection for MemConnection {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::handshake::{DataPath, PROTOCOL_VERSION};
-    use crate::transport::Target;
-
-    fn hello() -> Hello {
-        Hello {
-            version: PROTOCOL_VERSION,
-            sender: "mem-test".into(),
-            nonce: [0; 32],
-            mechanism: Default::default(),
-            session: 1,
-            block_size: 0,
-            data_path: DataPath::Tcp,
-            qp: Default::default(),
-        }
-    }
+    use crate::transport::{Target, test_hello};
 
     fn connect(fabric: &MemFabric, name: &str) -> Result<Box<dyn Connection>> {
         fabric
             .connector(name)
-            .connect(&hello(), None, &SendBlocks::new(2, 256))
+            .connect(&test_hello("mem-test", 1), None, &SendBlocks::new(2, 256))
     }
 
     fn sync(conn: &mut dyn Connection) -> Result<()> {

@@ -661,6 +661,22 @@ pub fn window_unavailable(transport: &'static str) -> crate::Error {
 /// How long a peer may stay silent before its connection is given up, unless configured.
 pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// A version-3 tcp hello from `sender` in session `session`, for the transports' unit tests.
+#[cfg(test)]
+pub(crate) fn test_hello(sender: &str, session: u64) -> Hello {
+    use crate::proto::handshake::{DataPath, PROTOCOL_VERSION};
+    Hello {
+        version: PROTOCOL_VERSION,
+        sender: sender.into(),
+        session,
+        block_size: 0,
+        data_path: DataPath::Tcp,
+        qp: Default::default(),
+        nonce: [0; 32],
+        mechanism: Default::default(),
+    }
+}
+
 /// How often a live connection proves it is alive, for a peer timeout of `timeout`.
 pub fn heartbeat_interval(timeout: Duration) -> Duration {
     (timeout / 5).max(Duration::from_millis(50))

@@ -2701,16 +2701,7 @@ mod tests {
     }
 
     fn hello() -> Hello {
-        Hello {
-            version: PROTOCOL_VERSION,
-            sender: "told".into(),
-            nonce: [0; 32],
-            mechanism: Default::default(),
-            session: 1,
-            block_size: 0,
-            data_path: DataPath::Tcp,
-            qp: Default::default(),
-        }
+        crate::transport::test_hello("told", 1)
     }
 
     /// Polls until the connection yields notices or fails.
