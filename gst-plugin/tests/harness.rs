@@ -141,6 +141,16 @@ fn message_where(
     }
 }
 
+/// Asserts that `e` fails to start (READY→PAUSED) and returns its error message's text.
+fn start_error(e: &gst::Element) -> String {
+    let bus = bus_of(e);
+    assert!(e.set_state(gst::State::Paused).is_err());
+    error_text(
+        &bus.pop_filtered(&[gst::MessageType::Error])
+            .expect("an error message"),
+    )
+}
+
 const GRAY: &str = "video/x-raw,format=GRAY8,width=4,height=2,framerate=10/1";
 
 #[test]
@@ -368,12 +378,7 @@ fn elements_sharing_a_connection_or_listener_must_share_its_key() {
     let first_src = src_element(port, 1, &[("key", "listener-key-0123456789".to_value())]);
     let _rx = src_harness(&first_src);
     let other_src = src_element(port, 2, &[("key", "another-key-0123456789".to_value())]);
-    let bus = bus_of(&other_src);
-    assert!(other_src.set_state(gst::State::Paused).is_err());
-    let text = error_text(
-        &bus.pop_filtered(&[gst::MessageType::Error])
-            .expect("an error message"),
-    );
+    let text = start_error(&other_src);
     assert!(text.contains(other_src.name().as_str()), "{text}");
     assert!(text.contains(first_src.name().as_str()), "{text}");
     assert!(
@@ -398,12 +403,7 @@ fn elements_sharing_a_connection_or_listener_must_share_its_key() {
         2,
         &[name.clone(), ("key", "another-key-0123456789".to_value())],
     );
-    let bus = bus_of(&other_sink);
-    assert!(other_sink.set_state(gst::State::Paused).is_err());
-    let text = error_text(
-        &bus.pop_filtered(&[gst::MessageType::Error])
-            .expect("an error message"),
-    );
+    let text = start_error(&other_sink);
     assert!(text.contains(other_sink.name().as_str()), "{text}");
     assert!(text.contains(first_sink.name().as_str()), "{text}");
     assert!(
@@ -422,12 +422,7 @@ fn an_unreachable_receiver_without_reconnect_fails_the_state_change() {
     init();
     let port = free_port();
     let e = sink_element(port, 0, &[("reconnect", false.to_value())]);
-    let bus = bus_of(&e);
-    assert!(e.set_state(gst::State::Paused).is_err());
-    let msg = bus
-        .pop_filtered(&[gst::MessageType::Error])
-        .expect("an error message");
-    let text = error_text(&msg);
+    let text = start_error(&e);
     assert!(text.contains(&format!("{}:{port}", host())), "{text}");
     e.set_state(gst::State::Null).unwrap();
 }
@@ -440,12 +435,7 @@ fn a_lossless_sink_that_would_drop_the_oldest_fails_naming_both_properties() {
     let port = free_port();
     let e = sink_element(port, 0, &[("lossless", true.to_value())]);
     e.set_property_from_str("drop-policy", "drop-oldest");
-    let bus = bus_of(&e);
-    assert!(e.set_state(gst::State::Paused).is_err());
-    let msg = bus
-        .pop_filtered(&[gst::MessageType::Error])
-        .expect("an error message");
-    let text = error_text(&msg);
+    let text = start_error(&e);
     assert!(
         text.contains("lossless=true") && text.contains("drop-policy=block"),
         "{text}"
