@@ -43,20 +43,19 @@ impl Reporter {
             self.drops_reported = dropped;
             due.qos = Some((processed, dropped));
         }
-        let now = Instant::now();
-        if !self.interval.is_zero() && now >= self.next_stats {
-            self.next_stats = now + self.interval;
-            due.stats = true;
-        }
+        due.stats = self.stats_due();
         due
     }
-}
 
-impl Reporter {
-    /// Whether the stats message is due now (only the timer: drops are reported with the
-    /// buffers that show them). For a thread that posts while no buffer comes.
+    /// Whether the stats message is due now (and if so, when the next one is). The streaming
+    /// thread asks through [`Self::check`]; a [`Ticker`] asks while no buffer comes.
     pub fn stats_due(&mut self) -> bool {
-        self.check(0, self.drops_reported).stats
+        let now = Instant::now();
+        if self.interval.is_zero() || now < self.next_stats {
+            return false;
+        }
+        self.next_stats = now + self.interval;
+        true
     }
 }
 

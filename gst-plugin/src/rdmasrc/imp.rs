@@ -40,7 +40,7 @@ const DEFAULT_LATENCY_MS: u32 = 0;
 const DEFAULT_MAX_BUFFERS: u32 = 8;
 const DEFAULT_DROP_POLICY: DropPolicyProperty = DropPolicyProperty::Block;
 const DEFAULT_WAIT_FOR_SENDER: bool = true;
-/// Frames held at most while no caps have come (see `Started::held`): more than a lossless
+/// Frames held at most while no caps have come (see `Started::held`, `RdmaSrc::frame_buffer`): more than a lossless
 /// `rdmasink` keeps unconfirmed (4) and than a sender binary's default send blocks hold. Each is
 /// a copy from the memory budget or one of the receiver's retained blocks (at most half of
 /// them are retained before frames are copied), so holding them cannot starve the region.
@@ -273,16 +273,42 @@ impl RdmaSrc {
         Some(clock.time().saturating_sub(base))
     }
 
-    /// Makes the buffer of a frame; `None` when it must be dropped (no caps yet).
-    fn frame_buffer(&self, frame: Frame) -> Result<Option<gst::Buffer>, gst::FlowError> {
+    /// Makes the buffer of a frame; `None` when there are no caps yet: then the frame is held
+    /// until they come (at most [`FRAMES_HELD_FOR_CAPS`]; beyond, the oldest is dropped and
+    /// counted as `frames-before-caps`, so the caps that follow them always get through).
+    ///
+    /// A held frame is settled at once: a lossless `rdmasink` sends its caps with the frame
+    /// after the ones it resends to a restarted receiver, and it waits for those to be
+    /// confirmed before it takes that frame. So the frames a restarted `rdmasrc` holds before
+    /// its first caps are the one case where a frame is confirmed before it went downstream;
+    /// they are lost only if this process dies too within the round trip that brings the caps.
+    fn frame_buffer(&self, mut frame: Frame) -> Result<Option<gst::Buffer>, gst::FlowError> {
         let arrival = self.running_time_now();
         let mut state = self.state.lock().unwrap();
         let State::Started(s) = &mut *state else {
             return Err(gst::FlowError::Flushing);
         };
         if s.caps.is_none() {
-            // `hold_before_caps` keeps such frames back; one here is dropped.
-            s.frames_before_caps += 1;
+            gst::debug!(
+                CAT,
+                imp = self,
+                "frame {} arrived before any caps; held until they come",
+                frame.index
+            );
+            // Taken out and dropped too: the block is freed once its ack is settled and gone.
+            rdmastream::proto::ack::settle(&frame.ack.take());
+            s.held.push_back(frame);
+            if s.held.len() > FRAMES_HELD_FOR_CAPS
+                && let Some(old) = s.held.pop_front()
+            {
+                s.frames_before_caps += 1;
+                gst::debug!(
+                    CAT,
+                    imp = self,
+                    "frame {} held before caps dropped: {FRAMES_HELD_FOR_CAPS} newer ones are held",
+                    old.index
+                );
+            }
             return Ok(None);
         }
         let mut discont = s.next_index != Some(frame.index);
@@ -931,46 +957,6 @@ impl BaseSrcImpl for RdmaSrc {
 }
 
 impl RdmaSrc {
-    /// A frame that comes before any caps is held (Some: it may be handed on now). When
-    /// [`FRAMES_HELD_FOR_CAPS`] are held already, the oldest is dropped and counted
-    /// (`frames-before-caps`), so the caps that follow them always get through.
-    ///
-    /// A held frame is settled at once: a lossless `rdmasink` sends its caps with the frame
-    /// after the ones it resends to a restarted receiver, and it waits for those to be
-    /// confirmed before it takes that frame. So the frames a restarted `rdmasrc` holds before
-    /// its first caps are the one case where a frame is confirmed before it went downstream;
-    /// they are lost only if this process dies too within the round trip that brings the caps.
-    fn hold_before_caps(&self, mut frame: Frame) -> Option<Frame> {
-        let mut state = self.state.lock().unwrap();
-        let State::Started(s) = &mut *state else {
-            return Some(frame); // `frame_buffer` answers Flushing
-        };
-        if s.caps.is_some() {
-            return Some(frame);
-        }
-        gst::debug!(
-            CAT,
-            imp = self,
-            "frame {} arrived before any caps; held until they come",
-            frame.index
-        );
-        // Taken out and dropped too: the block is freed once its ack is settled and gone.
-        rdmastream::proto::ack::settle(&frame.ack.take());
-        s.held.push_back(frame);
-        if s.held.len() > FRAMES_HELD_FOR_CAPS
-            && let Some(old) = s.held.pop_front()
-        {
-            s.frames_before_caps += 1;
-            gst::debug!(
-                CAT,
-                imp = self,
-                "frame {} held before caps dropped: {FRAMES_HELD_FOR_CAPS} newer ones are held",
-                old.index
-            );
-        }
-        None
-    }
-
     /// The oldest frame held before caps, once there are caps.
     fn take_held(&self) -> Option<Frame> {
         match &mut *self.state.lock().unwrap() {
@@ -980,20 +966,15 @@ impl RdmaSrc {
     }
 
     /// `frame` as a buffer to push, remembering its acknowledgement for [`Self::settle_handed`];
-    /// None (and settled) for a frame dropped on purpose. A frame that cannot be handed on
-    /// (flushing) is not settled: a lossless sender sends it again.
+    /// None for a frame held until caps come (settled where it is held). A frame that cannot
+    /// be handed on (flushing) is not settled: a lossless sender sends it again.
     fn hand_on(&self, frame: Frame) -> Result<Option<gst::Buffer>, gst::FlowError> {
         let ack = frame.ack.clone();
-        match self.frame_buffer(frame)? {
-            Some(buffer) => {
-                *self.handed.lock().unwrap() = ack;
-                Ok(Some(buffer))
-            }
-            None => {
-                rdmastream::proto::ack::settle(&ack);
-                Ok(None)
-            }
+        let buffer = self.frame_buffer(frame)?;
+        if buffer.is_some() {
+            *self.handed.lock().unwrap() = ack;
         }
+        Ok(buffer)
     }
 
     /// Settles the acknowledgement of the frame last handed downstream. A lossless sender keeps
@@ -1039,9 +1020,7 @@ impl PushSrcImpl for RdmaSrc {
                     return Err(gst::FlowError::Eos);
                 }
                 Popped::Item(Item::Frame(frame)) => {
-                    if let Some(frame) = self.hold_before_caps(frame)
-                        && let Some(buffer) = self.hand_on(frame)?
-                    {
+                    if let Some(buffer) = self.hand_on(frame)? {
                         return Ok(CreateSuccess::NewBuffer(buffer));
                     }
                 }
