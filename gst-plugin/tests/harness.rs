@@ -443,6 +443,60 @@ fn a_lossless_sink_that_would_drop_the_oldest_fails_naming_both_properties() {
     e.set_state(gst::State::Null).unwrap();
 }
 
+/// Frames a peer sends before any caps are held, but no more than 16 of them: a scripted sender
+/// streams 40 frames without a format, then the format and one more frame. The source pushes the
+/// newest 16 it held and the last one, and counts the 24 it let go in `frames-before-caps`.
+/// (Over tcp only: the peer writes the tcp data path by hand.)
+#[test]
+fn frames_that_come_before_caps_are_held_within_a_bound() {
+    use rdmastream::proto::header::flags;
+    use rdmastream_testkit::hostile;
+    init();
+    if transport() != "tcp" {
+        eprintln!("skipped: the scripted peer speaks the tcp data path");
+        return;
+    }
+    let port = free_port();
+    let e = src_element(port, 6, &[]);
+    let mut rx = src_harness(&e);
+    let addr = format!("{}:{port}", host());
+    let (mut s, w) = hostile::authenticated(&addr, "early-frames", common::key(), 1).unwrap();
+    let (n, b) = (w.blocks as u64, w.block_size as u64);
+    let mut packet = 0u16;
+    let mut next = 0u64;
+    let mut send = |flags: u8, frame: u64, payload: &[u8]| {
+        // The next block the receiver has freed (held frames keep theirs).
+        let end = std::time::Instant::now() + DEADLINE;
+        let j = loop {
+            let j = next % n;
+            next += 1;
+            if hostile::wait_free(&mut s, j, n, std::time::Duration::from_millis(20)).unwrap() {
+                break j;
+            }
+            assert!(std::time::Instant::now() < end, "no block freed");
+        };
+        let blk = hostile::block(6, packet, flags, 0, 1, payload.len() as u32, frame, payload);
+        hostile::write_block(&mut s, j, b, &blk).unwrap();
+        packet += 1;
+    };
+    for f in 0..40u64 {
+        send(
+            if f == 0 { flags::STREAM_START } else { 0 },
+            f,
+            &[f as u8; 8],
+        );
+    }
+    wait_for("24 frames let go before caps", || {
+        stats(&e).get::<u64>("frames-before-caps").unwrap() == 24
+    });
+    send(flags::FORMAT, 40, GRAY.as_bytes());
+    send(0, 40, &[40; 8]);
+    for f in 24..=40u8 {
+        assert_eq!(bytes(&rx.pull().unwrap()), vec![f; 8], "frame {f}");
+    }
+    assert_eq!(stats(&e).get::<u64>("frames-before-caps").unwrap(), 24);
+}
+
 /// A lossless sink's frames that reached an `rdmasrc` but never went downstream (the source
 /// was paused, then stopped: they were still in its queue) are sent again on the next
 /// connection, to a new `rdmasrc` on the same port, and arrive there in order, followed by the
