@@ -31,6 +31,7 @@ fn settings(blocks: usize, block_size: usize, reserved: Vec<usize>) -> RegionSet
         access: AccessControl::new(Keys::shared(key()), 64, Budget::unlimited()),
         reassembly: 64 << 20,
         peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+        nic_spin: rdmastream::transport::DEFAULT_NIC_SPIN,
         mechanism: Default::default(),
     }
 }

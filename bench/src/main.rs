@@ -1059,8 +1059,15 @@ fn loopback_tcp(block: usize) -> (Box<dyn Listener>, Box<dyn Connector>) {
     (Box::new(l), Box::new(connector))
 }
 
+/// The receiver's region in the benchmarks: [`region_blocks`] blocks of `block` bytes; over
+/// tcp its NIC thread looks for bytes for `BENCH_NIC_SPIN_US` before it sleeps (default the
+/// receiver's, 300 µs; 0 sleeps at once, as before 2026-12-02).
 fn region(block: usize) -> RegionSettings {
-    RegionSettings::plain(region_blocks(), block)
+    let mut r = RegionSettings::plain(region_blocks(), block);
+    if let Some(us) = env_knob("BENCH_NIC_SPIN_US") {
+        r.nic_spin = Duration::from_micros(us);
+    }
+    r
 }
 
 fn human(n: usize) -> String {
@@ -1739,9 +1746,13 @@ fn cameras(secs: f64, transport: &str) {
     };
     let out = tmp.path().join("out");
     let rx_cfg = tmp.path().join("receiver.toml");
+    // BENCH_NIC_SPIN_US sets the receiver's tcp_nic_spin_us (default 300).
+    let nic_spin = env_knob::<u64>("BENCH_NIC_SPIN_US")
+        .map(|us| format!("tcp_nic_spin_us = {us}\n"))
+        .unwrap_or_default();
     std::fs::write(
         &rx_cfg,
-        "blocks = 16\nblock_size = 1048576\nformat = \"raw\"\nkeep = 20\n",
+        format!("blocks = 16\nblock_size = 1048576\nformat = \"raw\"\nkeep = 20\n{nic_spin}"),
     )
     .unwrap();
     let tx_cfg = tmp.path().join("sender.toml");

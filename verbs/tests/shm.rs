@@ -331,6 +331,7 @@ fn keys_block_size_and_data_path_are_checked_as_on_every_transport() {
 fn each_end_notices_when_the_other_is_gone() {
     let mut pair = listen(RegionSettings {
         peer_timeout: Duration::from_millis(500),
+        nic_spin: rdmastream::transport::DEFAULT_NIC_SPIN,
         ..RegionSettings::plain(2, 4096)
     });
     // The sender goes (as a killed one does: its socket closes).

@@ -276,7 +276,8 @@ mod shipped_tests {
         assert_eq!(e.key, "blocks", "{e}");
     }
 
-    /// `in_place_blocks` and `poll_spin_us` are bounded; both errors name the key.
+    /// `in_place_blocks`, `poll_spin_us` and `tcp_nic_spin_us` are bounded; the errors name the
+    /// key. `tcp_nic_spin_us` reaches the receiver's region settings.
     #[test]
     fn in_place_blocks_and_poll_spin_are_bounded() {
         let file = Path::new("s.toml");
@@ -302,6 +303,23 @@ mod shipped_tests {
             panic!("a spin of more than 0.1 s accepted")
         };
         assert_eq!(e.key, "poll_spin_us", "{e}");
+        let spin = |text: &str| receiver(text).map(|plan| plan.region.nic_spin);
+        assert_eq!(
+            spin("").unwrap(),
+            std::time::Duration::from_micros(300),
+            "the default"
+        );
+        assert_eq!(
+            spin("tcp_nic_spin_us = 0").unwrap(),
+            std::time::Duration::ZERO
+        );
+        let Err(e) = spin("tcp_nic_spin_us = 100001") else {
+            panic!("a NIC spin of more than 0.1 s accepted")
+        };
+        assert!(
+            e.key == "tcp_nic_spin_us" && e.reason.contains("0..=100000"),
+            "{e}"
+        );
     }
 
     /// The configs the compose demo and the Kubernetes manifests mount parse and validate as

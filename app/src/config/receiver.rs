@@ -72,6 +72,8 @@ pub struct ReceiverConfig {
     pub poll_max_us: u64,
     #[serde(default = "d_poll_spin")]
     pub poll_spin_us: u64,
+    #[serde(default = "d_nic_spin")]
+    pub tcp_nic_spin_us: u64,
     #[serde(default = "d_status")]
     pub status_interval: f64,
     /// `address:port` to serve /metrics, /healthz, /readyz (and the receiver's status page)
@@ -178,6 +180,9 @@ fn d_poll_max() -> u64 {
 }
 fn d_poll_spin() -> u64 {
     50
+}
+fn d_nic_spin() -> u64 {
+    rdmastream::transport::DEFAULT_NIC_SPIN.as_micros() as u64
 }
 fn d_status() -> f64 {
     1.0
@@ -318,6 +323,12 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
             format!("{} is not in 0..=100000", cfg.poll_spin_us),
         ));
     }
+    if cfg.tcp_nic_spin_us > 100_000 {
+        return Err(err(
+            "tcp_nic_spin_us",
+            format!("{} is not in 0..=100000", cfg.tcp_nic_spin_us),
+        ));
+    }
     if cfg.writers == 0 || cfg.writers > 64 {
         return Err(err("writers", format!("{} is not in 1..=64", cfg.writers)));
     }
@@ -431,6 +442,7 @@ fn validate(cfg: &ReceiverConfig, file: &Path) -> Result<ReceiverPlan, ConfigErr
             access: AccessControl::new(keys, cfg.max_senders, budget.clone()),
             reassembly,
             peer_timeout: Duration::from_secs_f64(cfg.peer_timeout),
+            nic_spin: Duration::from_micros(cfg.tcp_nic_spin_us),
             mechanism: if cfg.mechanism == "sliding-window" {
                 // The receiver's side of every device's connection; the device is the sender's.
                 rdmastream::proto::handshake::Mechanism::SlidingWindow { device: 0 }

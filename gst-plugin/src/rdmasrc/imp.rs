@@ -843,6 +843,7 @@ impl BaseSrcImpl for RdmaSrc {
                     settings.max_frame_bytes as usize,
                 ),
                 peer_timeout: rdmastream::transport::DEFAULT_PEER_TIMEOUT,
+                nic_spin: rdmastream::transport::DEFAULT_NIC_SPIN,
                 mechanism: Default::default(),
             },
             limits: Limits {

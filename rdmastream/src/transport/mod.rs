@@ -661,6 +661,11 @@ pub fn window_unavailable(transport: &'static str) -> crate::Error {
 /// How long a peer may stay silent before its connection is given up, unless configured.
 pub const DEFAULT_PEER_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a tcp receiver's NIC thread looks for more bytes before it sleeps, unless
+/// configured (the receiver's `tcp_nic_spin_us`; docs/protocol.md, "The `tcp` software
+/// transport", "Waking").
+pub const DEFAULT_NIC_SPIN: Duration = Duration::from_micros(300);
+
 /// A version-3 tcp hello from `sender` in session `session`, for the transports' unit tests.
 #[cfg(test)]
 pub(crate) fn test_hello(sender: &str, session: u64) -> Hello {
@@ -742,6 +747,10 @@ pub struct RegionSettings {
     /// A sender not heard from for this long is gone: its connection is closed and its region
     /// freed (senders send heartbeats when idle).
     pub peer_timeout: Duration,
+    /// Over tcp, how long the NIC thread looks for more bytes without waiting before it sleeps
+    /// in its socket (zero: it sleeps at once). While a stream runs the next bytes come within
+    /// it, so the thread is not woken for each of them ([`DEFAULT_NIC_SPIN`]).
+    pub nic_spin: Duration,
     /// The mechanism this receiver runs; a sender of the other one is refused. For the sliding
     /// window only the kind counts (the device is each connecting sender's own).
     pub mechanism: Mechanism,
@@ -757,6 +766,7 @@ impl RegionSettings {
             access: AccessControl::open(),
             reassembly: 64 << 20,
             peer_timeout: DEFAULT_PEER_TIMEOUT,
+            nic_spin: DEFAULT_NIC_SPIN,
             mechanism: Mechanism::StatusByte,
         }
     }
