@@ -3123,29 +3123,54 @@ mod tests {
         .to_vec()
     }
 
-    #[test]
-    fn the_nic_places_large_and_small_writes_exactly_however_the_bytes_arrive() {
-        const BLOCK: usize = 256 * 1024;
+    /// The NIC tests' blocks (of [`NIC_TEST_BLOCK`] bytes) and what is written into them: a
+    /// large block, a small one, the large one again into another block (what follows a large
+    /// WRITE is often the next).
+    const NIC_TEST_BLOCK: usize = 256 * 1024;
+    fn nic_test_writes() -> Vec<(usize, Vec<u8>)> {
         let big: Vec<u8> = (0..200_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         let small: Vec<u8> = (0..1000u32).map(|i| (i * 13) as u8).collect();
+        vec![(0, big.clone()), (1, small), (2, big)]
+    }
+
+    /// Each of `writes` as a WRITE of its block followed by the WRITE of its status byte (FULL).
+    fn writes_with_statuses(writes: &[(usize, Vec<u8>)]) -> Vec<u8> {
         let mut input = Vec::new();
-        // A large block, its status, a small block, its status, the large one again into
-        // another block (what follows a large WRITE is often the next), then a READ.
-        for (block, data) in [(0usize, &big), (1, &small), (2, &big)] {
+        for (block, data) in writes {
             input.extend(op(
                 OP_WRITE,
                 Target::Blocks,
-                (block * BLOCK) as u64,
+                (block * NIC_TEST_BLOCK) as u64,
                 data.len(),
                 1,
             ));
             input.extend(data.iter());
-            input.extend(op(OP_WRITE, Target::Statuses, block as u64, 1, 2));
+            input.extend(op(OP_WRITE, Target::Statuses, *block as u64, 1, 2));
             input.push(1);
         }
+        input
+    }
+
+    /// Every one of `writes` is in its block, byte for byte, and its status FULL; block 3 was
+    /// not written.
+    fn assert_placed(region: &SoftRegion, writes: &[(usize, Vec<u8>)], how: &str) {
+        for (block, data) in writes {
+            let mut got = Vec::new();
+            region.read_block(*block, &mut |b| got = b[..data.len()].to_vec());
+            assert!(got == *data, "block {block} placed exactly ({how})");
+            assert_eq!(region.status(*block), 1);
+        }
+        assert_eq!(region.status(3), 0);
+    }
+
+    #[test]
+    fn the_nic_places_large_and_small_writes_exactly_however_the_bytes_arrive() {
+        let writes = nic_test_writes();
+        // The writes with their statuses, then a READ.
+        let mut input = writes_with_statuses(&writes);
         input.extend(op(OP_READ, Target::Statuses, 0, 4, 3));
         for chunk in [1, 7, 4000, 70_000, usize::MAX] {
-            let region = SoftRegion::new(&RegionSettings::plain(4, BLOCK));
+            let region = SoftRegion::new(&RegionSettings::plain(4, NIC_TEST_BLOCK));
             let mut r = NicReader::new(Trickle {
                 data: &input,
                 chunk,
@@ -3155,16 +3180,7 @@ mod tests {
             let mut out = Vec::new();
             let end = serve_requests(&mut r, &mut out, &region, Duration::from_secs(1));
             assert!(end.unwrap_err().contains("closed"), "the input ran out");
-            for (block, data) in [(0usize, &big), (1, &small), (2, &big)] {
-                let mut got = Vec::new();
-                region.read_block(block, &mut |b| got = b[..data.len()].to_vec());
-                assert!(
-                    got == **data,
-                    "block {block} placed exactly (chunks of {chunk})"
-                );
-                assert_eq!(region.status(block), 1);
-            }
-            assert_eq!(region.status(3), 0);
+            assert_placed(&region, &writes, &format!("chunks of {chunk}"));
             // Six ACKs, then the READ's answer with the four status bytes.
             let read = &out[6 * OP_HEADER..];
             assert_eq!(read.len(), OP_HEADER + 4, "chunks of {chunk}");
@@ -3191,22 +3207,8 @@ mod tests {
     /// placed exactly as without it, and the end of the stream ends it as before.
     #[test]
     fn a_spinning_nic_places_writes_exactly_whether_the_bytes_come_within_its_spin_or_after() {
-        const BLOCK: usize = 256 * 1024;
-        let big: Vec<u8> = (0..200_000u32).map(|i| (i * 11 + i / 509) as u8).collect();
-        let small: Vec<u8> = (0..700u32).map(|i| (i * 3) as u8).collect();
-        let mut input = Vec::new();
-        for (block, data) in [(0usize, &big), (1, &small), (2, &big)] {
-            input.extend(op(
-                OP_WRITE,
-                Target::Blocks,
-                (block * BLOCK) as u64,
-                data.len(),
-                1,
-            ));
-            input.extend(data.iter());
-            input.extend(op(OP_WRITE, Target::Statuses, block as u64, 1, 2));
-            input.push(1);
-        }
+        let writes = nic_test_writes();
+        let input = writes_with_statuses(&writes);
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let writer = std::thread::spawn(move || {
@@ -3220,19 +3222,13 @@ mod tests {
             }
         });
         let (stream, _) = listener.accept().unwrap();
-        let region = SoftRegion::new(&RegionSettings::plain(4, BLOCK));
+        let region = SoftRegion::new(&RegionSettings::plain(4, NIC_TEST_BLOCK));
         let mut r = NicReader::new(stream).spinning(Duration::from_micros(500));
         let mut out = Vec::new();
         let end = serve_requests(&mut r, &mut out, &region, Duration::from_secs(5));
         writer.join().unwrap();
         assert!(end.unwrap_err().contains("closed"), "the stream ended");
-        for (block, data) in [(0usize, &big), (1, &small), (2, &big)] {
-            let mut got = Vec::new();
-            region.read_block(block, &mut |b| got = b[..data.len()].to_vec());
-            assert!(got == **data, "block {block} placed exactly");
-            assert_eq!(region.status(block), 1);
-        }
-        assert_eq!(region.status(3), 0);
+        assert_placed(&region, &writes, "over a socket, spinning");
         assert_eq!(out.len(), 6 * OP_HEADER, "six ACKs");
         // Both ways were taken: reads that found their bytes while looking, and reads that slept
         // through a long pause (36 and 11 on the development machine; the bounds leave room for
