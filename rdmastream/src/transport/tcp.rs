@@ -2179,13 +2179,15 @@ fn read_spinning<R: NicSource>(
     (looked, slept): (&mut u64, &mut u64),
 ) -> std::io::Result<usize> {
     if !spin.is_zero() {
-        let start = Instant::now();
+        // The clock is read only once a look finds nothing: a running stream's reads mostly
+        // find their bytes at the first look.
+        let mut start = None;
         loop {
             if let Some(got) = source.read_now(bufs) {
                 *looked += 1;
                 return got;
             }
-            if start.elapsed() >= spin {
+            if start.get_or_insert_with(Instant::now).elapsed() >= spin {
                 break;
             }
             std::thread::yield_now();
