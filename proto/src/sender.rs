@@ -235,6 +235,9 @@ pub struct SenderMachine {
     /// The lowest-numbered free block first, without a limit
     /// ([`SenderMachine::set_lowest_first`]).
     lowest_first: bool,
+    /// Whether a placed block's status post asks for a sync at once
+    /// ([`SenderMachine::set_sync_after_placed`]).
+    sync_after_placed: bool,
 }
 
 /// Blocks smaller than this never sync early: writing a few of them takes far less than the
@@ -275,6 +278,7 @@ impl SenderMachine {
             early_sync: true,
             max_full: None,
             lowest_first: false,
+            sync_after_placed: false,
         }
     }
 
@@ -297,6 +301,17 @@ impl SenderMachine {
     /// as the paper's sender. The engine's driver sets it each turn from the connection.
     pub fn set_lowest_first(&mut self, on: bool) {
         self.lowest_first = on;
+    }
+
+    /// Whether posting a placed block's status byte under a FULL limit ([`Self::set_max_full`])
+    /// asks for a sync at once (counted as an early sync), so the next block is lent from what
+    /// the receiver has freed meanwhile instead of waiting for the cache to show none free:
+    /// for connections whose syncs complete as they are posted (shm), where the READ costs a
+    /// look at the status array. Off (the default), and over tcp and verbs, where a sync is a
+    /// round trip. The driver sets it from the connection each turn (docs/benchmarks.md,
+    /// "A sync after each placed frame over shm").
+    pub fn set_sync_after_placed(&mut self, on: bool) {
+        self.sync_after_placed = on;
     }
 
     /// Whether a write that leaves few free blocks in the cache asks for a sync at once (the
@@ -630,6 +645,11 @@ impl SenderMachine {
             self.lent.retain(|&k| k != j);
             let (wr_id, _) = self.start_chain(j);
             self.stats.placed += 1;
+            if self.sync_after_placed && self.max_full.is_some() && self.sync == Sync::Idle {
+                // The next call posts it, after this status byte.
+                self.sync = Sync::Needed;
+                self.stats.early_syncs += 1;
+            }
             return Some(Action::Status {
                 wr_id,
                 remote_block: j,
@@ -1456,6 +1476,51 @@ mod tests {
             None,
             "the limit is reached: no more syncs"
         );
+    }
+
+    /// Under a FULL limit, a placed block's status post is followed by a sync when the machine
+    /// is told syncs cost nothing (shm), and not otherwise; with it the next lend takes a block
+    /// the receiver freed meanwhile (here block 0 again) instead of the next one the cache
+    /// still shows free.
+    #[test]
+    fn a_placed_block_is_followed_by_a_sync_only_where_syncs_are_free() {
+        for on in [false, true] {
+            let (mut m, now) = synced(8, 4, &[0; 8]);
+            m.set_max_full(Some(4));
+            m.set_max_lent(2);
+            m.set_sync_after_placed(on);
+            for (ticket, block) in [(1, 0), (2, 1)] {
+                let lent = m.lend().expect("a free block");
+                assert_eq!(lent.remote_block, block);
+                m.handle_placed(lent, ticket);
+                let Some(Action::Status {
+                    wr_id,
+                    remote_block,
+                }) = m.poll_action(now)
+                else {
+                    panic!("the placed block's status byte first")
+                };
+                assert_eq!(remote_block, block);
+                let next = m.poll_action(now);
+                assert_eq!(
+                    matches!(next, Some(Action::Sync { .. })),
+                    on,
+                    "sync after placed {on}: {next:?}"
+                );
+                if on {
+                    assert_eq!(m.lend(), None, "no lending while the sync is in flight");
+                }
+                m.handle_write_completed(wr_id);
+                if let Some(Action::Sync { wr_id }) = next {
+                    // The receiver took every placed block already; the one whose status
+                    // byte raced this READ stays FULL.
+                    m.handle_sync_completed(now, wr_id, &[0; 8]);
+                }
+            }
+            assert_eq!(m.stats().early_syncs, if on { 2 } else { 0 });
+            let expected = if on { 0 } else { 2 };
+            assert_eq!(m.lend().map(|l| l.remote_block), Some(expected), "{on}");
+        }
     }
 
     /// A connection's lent blocks are worthless on the next: one placed after the drop, and one

@@ -55,6 +55,7 @@ impl Driver {
         machine.set_early_sync(conn.syncs_early());
         machine.set_max_full(crate::transport::max_full_blocks(conn));
         machine.set_lowest_first(conn.writes_lowest_first());
+        machine.set_sync_after_placed(conn.completes_at_once());
         let mut turn = Turn::default();
         let t = now();
         while let Some(action) = machine.poll_action(t) {
