@@ -177,6 +177,10 @@ enum SyncFor {
     Block,
     /// Acknowledgements of unconfirmed lossless blocks.
     Confirmations,
+    /// A look at what the receiver freed, after a placed block's status byte
+    /// ([`SenderMachine::set_sync_after_placed`]): nothing is waiting for it, so finding
+    /// nothing free is no reason to back off.
+    Look,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,6 +242,8 @@ pub struct SenderMachine {
     /// Whether a placed block's status post asks for a sync at once
     /// ([`SenderMachine::set_sync_after_placed`]).
     sync_after_placed: bool,
+    /// The sync asked for is a [`SyncFor::Look`].
+    look: bool,
 }
 
 /// Blocks smaller than this never sync early: writing a few of them takes far less than the
@@ -279,6 +285,7 @@ impl SenderMachine {
             max_full: None,
             lowest_first: false,
             sync_after_placed: false,
+            look: false,
         }
     }
 
@@ -587,6 +594,12 @@ impl SenderMachine {
         let progress = match why {
             SyncFor::Block => self.has_free_block(),
             SyncFor::Confirmations => confirmed > 0,
+            SyncFor::Look => {
+                // Whatever it found, the state is as before it: a write that finds no free
+                // block asks for a sync of its own, which backs off if need be.
+                self.sync = Sync::Idle;
+                return true;
+            }
         };
         if progress {
             self.sync = Sync::Idle;
@@ -612,6 +625,9 @@ impl SenderMachine {
             Sync::Needed | Sync::Idle => {}
         }
         if self.sync == Sync::Needed {
+            if self.look {
+                return self.try_sync(SyncFor::Look);
+            }
             return self.try_sync(if self.queue.is_empty() && !self.unconfirmed.is_empty() {
                 SyncFor::Confirmations
             } else {
@@ -648,6 +664,7 @@ impl SenderMachine {
             if self.sync_after_placed && self.max_full.is_some() && self.sync == Sync::Idle {
                 // The next call posts it, after this status byte.
                 self.sync = Sync::Needed;
+                self.look = true;
                 self.stats.early_syncs += 1;
             }
             return Some(Action::Status {
@@ -742,6 +759,7 @@ impl SenderMachine {
     }
 
     fn try_sync(&mut self, why: SyncFor) -> Option<Action> {
+        self.look = false;
         let remote_blocks: Vec<usize> = self.in_flight.iter().map(|f| f.remote_block).collect();
         self.unsure = remote_blocks;
         let wr_id = self.take_wr_id();
@@ -1521,6 +1539,56 @@ mod tests {
             let expected = if on { 0 } else { 2 };
             assert_eq!(m.lend().map(|l| l.remote_block), Some(expected), "{on}");
         }
+    }
+
+    /// The sync after a placed block is a look: when it finds nothing free under the FULL
+    /// limit, the machine does not back off (nor count an empty sync), so lending and writes
+    /// go on as soon as the cache shows a block again, and a write that finds none syncs at
+    /// once.
+    #[test]
+    fn a_look_after_a_placed_block_that_finds_nothing_free_does_not_back_off() {
+        let (mut m, now) = synced(8, 4, &[0; 8]);
+        m.set_max_full(Some(2));
+        m.set_max_lent(2);
+        m.set_sync_after_placed(true);
+        // Block 1 is written by a chain, block 0 placed: both FULL, the limit.
+        m.handle_filled(0, 10, Delivery::Unconfirmed);
+        let Some(Action::Write {
+            wr_id: w,
+            remote_block: 0,
+            ..
+        }) = m.poll_action(now)
+        else {
+            panic!()
+        };
+        m.handle_write_completed(w);
+        // That write left one block under the limit: an early sync first.
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!("the early sync")
+        };
+        m.handle_sync_completed(now, wr_id, &[1, 0, 0, 0, 0, 0, 0, 0]);
+        let lent = m.lend().expect("one block under the limit");
+        assert_eq!(lent.remote_block, 1);
+        m.handle_placed(lent, 1);
+        let Some(Action::Status { wr_id: s, .. }) = m.poll_action(now) else {
+            panic!()
+        };
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!("the look")
+        };
+        m.handle_write_completed(s);
+        // The receiver has not taken either yet.
+        m.handle_sync_completed(now, wr_id, &[1, 1, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(m.poll_timeout(), None, "no back-off after a look");
+        assert_eq!(m.stats().empty_syncs, 0);
+        // A block to write finds none free under the limit and syncs at once, as without it.
+        m.handle_filled(1, 10, Delivery::Unconfirmed);
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!("a sync of its own")
+        };
+        m.handle_sync_completed(now, wr_id, &[1, 1, 0, 0, 0, 0, 0, 0]);
+        assert!(m.poll_timeout().is_some(), "that one backs off");
+        assert_eq!(m.stats().empty_syncs, 1);
     }
 
     /// A connection's lent blocks are worthless on the next: one placed after the drop, and one
