@@ -190,6 +190,10 @@ enum Sync {
     /// A sync must be posted as soon as no write is outstanding (after connect, or when the
     /// cache shows no free block).
     Needed,
+    /// A [`SyncFor::Look`] is to be posted next (after a placed block's status byte,
+    /// [`SenderMachine::set_sync_after_placed`]). Anything that needs a sync of its own
+    /// (a connect, a write that finds no block) replaces it with [`Sync::Needed`].
+    LookWanted,
     /// Backing off: the last sync found nothing free; try again at this time.
     RetryAt(Instant),
     /// Posted (with its sequence number and why); no write may be decided until it completes.
@@ -242,8 +246,6 @@ pub struct SenderMachine {
     /// Whether a placed block's status post asks for a sync at once
     /// ([`SenderMachine::set_sync_after_placed`]).
     sync_after_placed: bool,
-    /// The sync asked for is a [`SyncFor::Look`].
-    look: bool,
 }
 
 /// Blocks smaller than this never sync early: writing a few of them takes far less than the
@@ -285,7 +287,6 @@ impl SenderMachine {
             max_full: None,
             lowest_first: false,
             sync_after_placed: false,
-            look: false,
         }
     }
 
@@ -622,12 +623,12 @@ impl SenderMachine {
             Sync::InFlight(..) => {}
             Sync::RetryAt(t) if now < t => return None,
             Sync::RetryAt(_) => self.sync = Sync::Needed,
-            Sync::Needed | Sync::Idle => {}
+            Sync::Needed | Sync::LookWanted | Sync::Idle => {}
+        }
+        if self.sync == Sync::LookWanted {
+            return self.try_sync(SyncFor::Look);
         }
         if self.sync == Sync::Needed {
-            if self.look {
-                return self.try_sync(SyncFor::Look);
-            }
             return self.try_sync(if self.queue.is_empty() && !self.unconfirmed.is_empty() {
                 SyncFor::Confirmations
             } else {
@@ -663,8 +664,7 @@ impl SenderMachine {
             self.stats.placed += 1;
             if self.sync_after_placed && self.max_full.is_some() && self.sync == Sync::Idle {
                 // The next call posts it, after this status byte.
-                self.sync = Sync::Needed;
-                self.look = true;
+                self.sync = Sync::LookWanted;
                 self.stats.early_syncs += 1;
             }
             return Some(Action::Status {
@@ -759,7 +759,6 @@ impl SenderMachine {
     }
 
     fn try_sync(&mut self, why: SyncFor) -> Option<Action> {
-        self.look = false;
         let remote_blocks: Vec<usize> = self.in_flight.iter().map(|f| f.remote_block).collect();
         self.unsure = remote_blocks;
         let wr_id = self.take_wr_id();
@@ -1588,6 +1587,33 @@ mod tests {
         };
         m.handle_sync_completed(now, wr_id, &[1, 1, 0, 0, 0, 0, 0, 0]);
         assert!(m.poll_timeout().is_some(), "that one backs off");
+        assert_eq!(m.stats().empty_syncs, 1);
+    }
+
+    /// A look asked for but not yet posted when the connection drops is not carried over: the
+    /// next connection's first sync is an ordinary one, which backs off when it finds nothing
+    /// free.
+    #[test]
+    fn a_look_wanted_at_a_disconnect_does_not_become_the_next_connections_first_sync() {
+        let (mut m, now) = synced(8, 4, &[0; 8]);
+        m.set_max_full(Some(4));
+        m.set_max_lent(2);
+        m.set_sync_after_placed(true);
+        let lent = m.lend().expect("a free block");
+        m.handle_placed(lent, 1);
+        let Some(Action::Status { .. }) = m.poll_action(now) else {
+            panic!("the placed block's status byte")
+        };
+        m.handle_disconnected();
+        m.handle_connected(RemoteLayout {
+            blocks: 8,
+            block_size: 1 << 20,
+        });
+        let Some(Action::Sync { wr_id }) = m.poll_action(now) else {
+            panic!("the first sync of the new connection")
+        };
+        m.handle_sync_completed(now, wr_id, &[1; 8]);
+        assert!(m.poll_timeout().is_some(), "an ordinary sync backs off");
         assert_eq!(m.stats().empty_syncs, 1);
     }
 
