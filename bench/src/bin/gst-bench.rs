@@ -23,8 +23,13 @@
 //! compare two builds under one `gst-bench`. The first line printed says which ran.
 //!
 //! `GST_BENCH_TRACE=/tmp/trace` writes, for each measured pipeline, every frame's arrival (ns
-//! into the window) and latency (ns), one frame per line, to `/tmp/trace.<receiver's pid>`:
-//! to see whether a run's slow frames come in bursts (and when) or are spread out.
+//! into the window) and latency (ns), one frame per line after a first line that gives the
+//! window's start on CLOCK_MONOTONIC, to `/tmp/trace.<receiver's pid>`:
+//! to see whether a run's slow frames come in bursts (and when) or are spread out. Beside it,
+//! for rdmasink, the sending process writes `/tmp/trace.<receiver's pid>.paths`: every
+//! millisecond of the window, rdmasink's `stats` counts of frames upstream wrote into its own send
+//! blocks and into the receiver's memory (shm), so `scripts/trace-spells.py` can say which
+//! blocks the frames of a slow spell went through.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -320,6 +325,10 @@ fn child(args: &[String]) {
             gst::PadProbeReturn::Ok
         });
     }
+    let sampler = (role == "send")
+        .then(|| args.windows(2).find(|w| w[0] == "--trace-paths"))
+        .flatten()
+        .map(|w| sample_paths(&pipeline, w[1].clone(), start, end));
     pipeline.set_state(gst::State::Playing).unwrap();
     let bus = pipeline.bus().unwrap();
     let check_bus = || {
@@ -338,12 +347,15 @@ fn child(args: &[String]) {
     sleep_until(end);
     let cpu = cpu_time().saturating_sub(cpu0);
     check_bus();
+    if let Some(sampler) = sampler {
+        let _ = sampler.join();
+    }
     let window = Duration::from_nanos(end - start);
     let mut r = received.lock().unwrap();
-    if let Ok(path) = std::env::var("GST_BENCH_TRACE")
+    if let Some(path) = trace_prefix()
         && !r.arrivals_ns.is_empty()
     {
-        let mut out = String::new();
+        let mut out = format!("# window start {start} ns (CLOCK_MONOTONIC)\n");
         for (a, l) in r.arrivals_ns.iter().zip(&r.latencies_ns) {
             out.push_str(&format!("{a} {l}\n"));
         }
@@ -367,6 +379,45 @@ fn child(args: &[String]) {
     );
     // Tearing down may wait for a peer that is already gone; the figures are out.
     std::process::exit(0);
+}
+
+/// For `GST_BENCH_TRACE`: samples the rdmasink's `stats` every millisecond of [start, end] and
+/// then writes `path`, one line per sample: "ns into the window, frames upstream wrote into a
+/// send block, frames it wrote into the receiver's memory, frames copied". Nothing for a
+/// pipeline without rdmasink. Reading the property takes the element's state lock, which
+/// `render` takes once per frame: a thousand short reads a second.
+fn sample_paths(
+    pipeline: &gst::Pipeline,
+    path: String,
+    start: u64,
+    end: u64,
+) -> std::thread::JoinHandle<()> {
+    let sink = pipeline
+        .iterate_elements()
+        .into_iter()
+        .flatten()
+        .find(|e| e.factory().is_some_and(|f| f.name() == "rdmasink"));
+    std::thread::spawn(move || {
+        let Some(sink) = sink else { return };
+        let mut out = String::new();
+        sleep_until(start);
+        let mut next = start;
+        while next < end {
+            let now = now_ns();
+            let stats = sink.property::<gst::Structure>("stats");
+            let n = |k: &str| stats.get::<u64>(k).unwrap_or(0);
+            let in_receiver = n("frames-in-receiver-memory");
+            out.push_str(&format!(
+                "{} {} {in_receiver} {}\n",
+                now.saturating_sub(start),
+                n("frames-in-place").saturating_sub(in_receiver),
+                n("frames-copied")
+            ));
+            next += 1_000_000;
+            sleep_until(next);
+        }
+        let _ = std::fs::write(path, out);
+    })
 }
 
 fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
@@ -409,11 +460,31 @@ fn spawn_role(role: &str, run: &Run, start: u64, end: u64) -> Child {
         "--end",
         &end.to_string(),
     ])
+    .args(
+        trace_paths()
+            .filter(|_| role == "send")
+            .map(|p| ["--trace-paths".to_string(), p])
+            .into_iter()
+            .flatten(),
+    )
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
     .stderr(Stdio::inherit())
     .spawn()
     .expect("starting a benchmark process")
+}
+
+/// Where the sending process writes its samples of rdmasink's paths under `GST_BENCH_TRACE`,
+/// until the run is over and they go beside the receiver's trace (`PREFIX.<receiver's pid>`).
+fn trace_paths() -> Option<String> {
+    trace_prefix().map(|p| format!("{p}.sending.{}", std::process::id()))
+}
+
+/// `GST_BENCH_TRACE`'s prefix; unset or empty means no traces.
+fn trace_prefix() -> Option<String> {
+    std::env::var("GST_BENCH_TRACE")
+        .ok()
+        .filter(|p| !p.is_empty())
 }
 
 /// The RESULT line of a finished child, as key → value; else what became of the child (its
@@ -555,12 +626,20 @@ fn main() {
             let first = spawn_role(server, &run, start, end);
             wait_ready(&run);
             let second = spawn_role(client, &run, start, end);
+            let recv_pid = if server == "send" {
+                second.id()
+            } else {
+                first.id()
+            };
             let (send, recv) = if server == "send" {
                 (result("sender", first), result("receiver", second))
             } else {
                 let recv = result("receiver", first);
                 (result("sender", second), recv)
             };
+            if let (Some(from), Some(prefix)) = (trace_paths(), trace_prefix()) {
+                let _ = std::fs::rename(from, format!("{prefix}.{recv_pid}.paths"));
+            }
             let rate = if live { "25 fps" } else { "unthrottled" };
             let (send, recv) = match (send, recv) {
                 (Ok(send), Ok(recv)) => (send, recv),
