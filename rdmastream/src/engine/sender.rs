@@ -888,9 +888,6 @@ enum ToSending {
     Frames(usize, Vec<(u8, usize, u64)>),
     /// Every device ended: finish what is queued, then close.
     Done,
-    /// Nothing to take in: a thread that drove the connection left something for the sending
-    /// thread to do (a retry on its timer, an error, the end), which it now sees.
-    Wake,
 }
 
 /// The sending thread's state: the protocol machine with what it keeps about the blocks, the
@@ -1064,13 +1061,16 @@ impl SendState {
 /// Waits up to `wait` for something in the sending thread's channel, letting go of the state
 /// meanwhile (handing threads may drive the connection: see [`SendState`]), then takes it in
 /// with the state held again ([`SendState::take_in`]).
-fn wait_for_input(st: &mut MutexGuard<'_, SendState>, rx: &Receiver<ToSending>, wait: Duration) {
+fn wait_for_input(st: &mut MutexGuard<'_, SendState>, t: &SendingThread, wait: Duration) {
     MutexGuard::unlocked(st, || {
         let mut sel = Select::new();
-        sel.recv(rx);
+        sel.recv(&t.filled);
+        sel.recv(&t.wake);
         let _ = sel.ready_timeout(wait);
     });
-    st.take_in(rx);
+    // Woken: whatever was left for this thread is in the state it now holds again.
+    while t.wake.try_recv().is_ok() {}
+    st.take_in(&t.filled);
 }
 
 /// How filled and placed blocks reach the sending state: through the sending thread's channel,
@@ -1084,6 +1084,14 @@ fn wait_for_input(st: &mut MutexGuard<'_, SendState>, rx: &Receiver<ToSending>, 
 #[derive(Clone)]
 struct Handoff {
     tx: Sender<ToSending>,
+    /// Wakes the sending thread when a thread that drove the connection left something for it
+    /// (a retry on its timer, an error, the end), which it then sees. A channel of its own,
+    /// holding one wake at most: when the wake went through `tx`, a hand-over that found it
+    /// still there had to queue behind it (`tx` not empty) and wait for the sending thread to
+    /// be woken and given a CPU, and so did every one after it until then. Over shm unthrottled
+    /// (640×480 frames from `videotestsrc` into the pool), 1–3 % of the frames went that way,
+    /// 10–20 % on a busy machine (docs/benchmarks.md, "A wake that held frames up").
+    wake: Sender<()>,
     state: Arc<parking_lot::Mutex<SendState>>,
     lent: LentBlocks,
     /// Whether this thread also makes the copies the sending thread would make: a block in a
@@ -1116,7 +1124,9 @@ impl Handoff {
             state.intake(ev);
             state.driven_here += 1;
             if state.drive_here(&self.lent) {
-                let _ = self.tx.send(ToSending::Wake);
+                // Not through `tx`: a wake there made the next frames queue behind it until
+                // the sending thread got a CPU (see `Handoff::wake`).
+                let _ = self.wake.try_send(());
             }
             return true;
         }
@@ -1221,6 +1231,7 @@ impl SenderHandle {
             free_lists.release(i);
         }
         let (filled_tx, filled_rx) = crossbeam_channel::unbounded();
+        let (wake_tx, wake_rx) = crossbeam_channel::bounded(1);
         let (control_tx, control_rx) = crossbeam_channel::unbounded();
         let abort = Arc::new(AtomicBool::new(false));
         let drops = Arc::new(AtomicU64::new(0));
@@ -1258,6 +1269,7 @@ impl SenderHandle {
         }));
         let handoff = Handoff {
             tx: filled_tx,
+            wake: wake_tx,
             state: state.clone(),
             lent: lent.clone(),
             copies_here: false,
@@ -1310,6 +1322,7 @@ impl SenderHandle {
                 connector,
                 blocks,
                 filled: filled_rx,
+                wake: wake_rx,
                 abort: abort.clone(),
                 live: live.clone(),
                 drops,
@@ -1977,7 +1990,6 @@ impl Sending {
             }
             ToSending::Frames(i, frames) => self.coalesced[i] = frames,
             ToSending::Done => *done = true,
-            ToSending::Wake => {}
         }
     }
 
@@ -2047,6 +2059,8 @@ struct SendingThread {
     connector: Box<dyn Connector>,
     blocks: Arc<SendBlocks>,
     filled: Receiver<ToSending>,
+    /// [`Handoff::wake`].
+    wake: Receiver<()>,
     abort: Arc<AtomicBool>,
     live: Arc<parking_lot::Mutex<SenderStats>>,
     /// Connection drops so far (the filling thread resends formats after one).
@@ -2182,7 +2196,7 @@ fn sending_thread(t: SendingThread) -> Result<SenderReport> {
                 let wait = next_attempt
                     .saturating_duration_since(Instant::now())
                     .min(Duration::from_millis(50));
-                wait_for_input(&mut st, &t.filled, wait);
+                wait_for_input(&mut st, &t, wait);
             }
             continue;
         }
@@ -2227,7 +2241,7 @@ fn sending_thread(t: SendingThread) -> Result<SenderReport> {
                                     t.saturating_duration_since(now)
                                 })
                                 .min(Duration::from_millis(50));
-                        wait_for_input(&mut st, &t.filled, wait);
+                        wait_for_input(&mut st, &t, wait);
                         Ok(())
                     }
                     Ok(_) => Ok(()),

@@ -160,8 +160,6 @@ pub(super) fn window_sending_thread(t: SendingThread, s: &mut Sending) -> Result
                 ToSending::Frames(i, frames) => s.coalesced[i] = frames,
                 // Not produced: the baseline lends no receiver's blocks (nothing is offered).
                 ToSending::Placed { .. } | ToSending::Returned(_) => {}
-                // Not produced: nothing drives a connection but this thread.
-                ToSending::Wake => {}
                 ToSending::Done => *done = true,
             }
         };
