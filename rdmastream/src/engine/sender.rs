@@ -1102,8 +1102,9 @@ struct Handoff {
     /// holding one wake at most: when the wake went through `tx`, a hand-over that found it
     /// still there had to queue behind it (`tx` not empty) and wait for the sending thread to
     /// be woken and given a CPU, and so did every one after it until then. Over shm unthrottled
-    /// (640×480 frames from `videotestsrc` into the pool), 1–3 % of the frames went that way,
-    /// 10–20 % on a busy machine (docs/benchmarks.md, "A wake that held frames up").
+    /// (640×480 frames from `videotestsrc` into the pool), 1.3–7.3 % of the hand-overs went
+    /// that way, 6.2–20 % beside a third runnable process (docs/benchmarks.md, "A wake that
+    /// held frames up").
     wake: Sender<()>,
     state: Arc<parking_lot::Mutex<SendState>>,
     lent: LentBlocks,
