@@ -438,11 +438,19 @@ pub fn server_handshake<T, S: SideStream>(
     let hello_bytes = match recv_message(stream, deadline) {
         Ok(b) => b,
         Err(e) => {
+            // A peer that hangs up before its first message is most often not a sender at
+            // all: a port probe, or a second receiver checking whether this address is taken.
+            let hint = if e.hung_up {
+                " (the peer hung up before its first message: a port probe, or another \
+                 receiver checking whether this address is in use?)"
+            } else {
+                ""
+            };
             return Err(refuse(
                 stream,
                 &peer,
                 RefusalKind::BadHandshake,
-                format!("bad handshake: {e}"),
+                format!("bad handshake: {e}{hint}"),
             ));
         }
     };
@@ -2654,6 +2662,50 @@ mod tests {
             Ok((welcome, ()))
         });
         assert!(admitted.is_ok(), "the handshake failed");
+    }
+
+    /// A peer that connects and hangs up without a word (a port probe, or a second receiver
+    /// checking whether the address is taken) is refused as a bad handshake whose reason says
+    /// so, rather than as a bare end of file; a peer that sends something else (an HTTP
+    /// request) is told what it sent instead.
+    #[test]
+    fn a_peer_that_hangs_up_before_its_hello_is_named_a_probe() {
+        let refused = |send: &'static [u8], hang_up: bool| {
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = listener.local_addr().unwrap();
+            let peer = std::thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.write_all(send).unwrap();
+                if hang_up {
+                    return;
+                }
+                let mut sink = [0u8; 256];
+                while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+            });
+            let (mut stream, _) = listener.accept().unwrap();
+            let settings = RegionSettings::plain(4, 256);
+            let got = server_handshake(&mut stream, &settings, DataPath::Tcp, "", |_, _| {
+                Ok((Welcome::refusal(""), ()))
+            });
+            drop(stream);
+            peer.join().unwrap();
+            match got {
+                Err(r) => (r.kind, r.why),
+                Ok(_) => panic!("admitted a peer that sent no hello"),
+            }
+        };
+        let (kind, why) = refused(b"", true);
+        assert_eq!(kind, RefusalKind::BadHandshake);
+        assert!(why.contains("hung up before its first message"), "{why}");
+        let (kind, why) = refused(b"\x10\x00", true);
+        assert_eq!(kind, RefusalKind::BadHandshake);
+        assert!(why.contains("hung up before its first message"), "{why}");
+        let (kind, why) = refused(b"GET / HTTP/1.1\r\n\r\n", true);
+        assert_eq!(kind, RefusalKind::BadHandshake);
+        assert!(
+            why.contains("no rdmastream handshake") && !why.contains("hung up"),
+            "{why}"
+        );
     }
 
     /// A receiver that runs the real handshake, then writes `after` raw onto the connection:
