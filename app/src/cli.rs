@@ -73,23 +73,60 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(
     path: &Path,
 ) -> Result<T, ConfigError> {
     toml::from_str(text).map_err(|e| {
-        let line = e.span().map(|s| text[..s.start].lines().count().max(1));
+        let at = e.span().map(|s| s.start.min(text.len()));
         let reason = e.message().to_string();
-        let key = reason.split('`').nth(1).unwrap_or("").to_string();
-        let reason = match line {
-            Some(l) => format!("line {l}: {reason}"),
+        let field = reason.split('`').nth(1).unwrap_or("");
+        // An unknown or missing field is named with the table it is in (`device[1].id`).
+        let key = if reason.starts_with("unknown field") || reason.starts_with("missing field") {
+            match at.map(|at| table_at(text, at)).unwrap_or_default() {
+                table if table.is_empty() => field.to_string(),
+                table => format!("{table}.{field}"),
+            }
+        } else {
+            String::new()
+        };
+        let reason = match at {
+            Some(at) => format!("line {}: {reason}", line_of(text, at)),
             None => reason,
         };
         ConfigError {
             file: path.to_path_buf(),
-            key: if reason.contains("unknown field") {
-                key
-            } else {
-                String::new()
-            },
+            key,
             reason,
         }
     })
+}
+
+/// The 1-based line of byte `at` of `text` (a byte offset, so no char boundary is needed).
+fn line_of(text: &str, at: usize) -> usize {
+    text.as_bytes()[..at]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
+}
+
+/// The table that the line holding byte `at` of `text` opens or lies in, as a key path:
+/// `device[1]` for the second `[[device]]`, `metrics` for `[metrics]`, empty at the top level.
+fn table_at(text: &str, at: usize) -> String {
+    let end = text.as_bytes()[at..]
+        .iter()
+        .position(|&b| b == b'\n')
+        .map_or(text.len(), |n| at + n);
+    let mut table = String::new();
+    let mut seen: std::collections::HashMap<String, usize> = Default::default();
+    for line in String::from_utf8_lossy(&text.as_bytes()[..end]).lines() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if let Some(name) = line.strip_prefix("[[").and_then(|l| l.strip_suffix("]]")) {
+            let name = name.trim().to_string();
+            let n = seen.entry(name.clone()).or_insert(0);
+            table = format!("{name}[{n}]");
+            *n += 1;
+        } else if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            table = name.trim().to_string();
+        }
+    }
+    table
 }
 
 /// The config file to use when none is given: `configs/NAME` in the current directory, else
@@ -562,6 +599,60 @@ mod tests {
         stop.sleep(Duration::from_millis(50));
         assert!(t.elapsed() >= Duration::from_millis(50));
         assert!(!stop.is_asked());
+    }
+
+    /// A TOML error names the line it is on (a key at the start of a line counted as that
+    /// line, not the one before) and, for an unknown or missing field, the key with its table.
+    #[test]
+    fn a_toml_error_names_its_line_and_the_key_with_its_table() {
+        #[derive(serde::Deserialize, Debug)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct Device {
+            id: u32,
+            fps: Option<f64>,
+        }
+        #[derive(serde::Deserialize, Debug)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct File {
+            name: Option<String>,
+            #[serde(default)]
+            device: Vec<Device>,
+        }
+        let err = |text: &str| {
+            let e = parse_toml::<File>(text, Path::new("x.toml")).unwrap_err();
+            (e.key.clone(), e.reason.clone(), e.to_string())
+        };
+        let (key, reason, shown) = err("name = \"a\"\nname_typo = 3\n");
+        assert_eq!(key, "name_typo");
+        assert!(reason.starts_with("line 2: unknown field"), "{reason}");
+        assert!(
+            shown.starts_with("x.toml: key `name_typo`: line 2:"),
+            "{shown}"
+        );
+        let (key, reason, _) =
+            err("name = \"a\"\n[[device]]\nid = 1\n\n[[device]] # the second\nfps = 25.0\n");
+        assert_eq!(key, "device[1].id");
+        assert!(reason.contains("missing field `id`"), "{reason}");
+        let line: usize = reason["line ".len()..]
+            .split(':')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            (5..=6).contains(&line),
+            "the second [[device]] is lines 5-6: {reason}"
+        );
+        let (key, reason, _) = err("[[device]]\nid = 1\nfpss = 3\n");
+        assert_eq!(key, "device[0].fpss");
+        assert!(reason.starts_with("line 3: unknown field"), "{reason}");
+        let (key, reason, _) = err("[[device]]\nid = \"x\"\n");
+        assert_eq!(key, "", "only unknown and missing fields name a key here");
+        assert!(reason.starts_with("line 2: invalid type"), "{reason}");
+        let (_, reason, _) = err("name = 3");
+        assert!(reason.starts_with("line 1: "), "{reason}");
     }
 
     #[test]
