@@ -136,7 +136,18 @@ pub fn sender(
     for d in devices {
         // A source that cannot be built (no images in `dir`, a pipeline that does not parse)
         // is bad input: a config error naming the device, exit 2.
-        let bad = |why: String| ConfigError::new(file, "", format!("device {}: {why}", d.id));
+        let source_key = match &d.kind {
+            Source::Gstreamer(_) => "pipeline",
+            Source::Builtin(SourceKind::Images { .. }) => "dir",
+            Source::Builtin(_) => "source",
+        };
+        let bad = |why: String| {
+            ConfigError::new(
+                file,
+                format!("device[{}].{source_key}", d.entry),
+                format!("device {}: {why}", d.id),
+            )
+        };
         let p = match &d.kind {
             Source::Builtin(kind) => Runner::Builtin(
                 Producer::new(d.id, kind)

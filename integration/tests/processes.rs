@@ -530,7 +530,18 @@ fn bad_config_names_file_key_and_reason() {
         (
             "sender",
             "name = \"a\"\nreceiver = \"x:1\"\n[[device]]\nid = 4\nsource = \"images\"\ndir = \"/nonexistent-dir\"\n",
-            "device 4: /nonexistent-dir",
+            "`device[0].dir`: device 4: /nonexistent-dir",
+        ),
+        (
+            "sender",
+            "name = \"a\"\nreceiver = \"x:1\"\n[[device]]\nid = 0\nsource = \"radar-synthetic\"\n[[device]]\nid = 1\nsource = \"gstreamer\"\npipeline = \"videotestsrc ! no-such-element ! appsink\"\n",
+            "`device[1].pipeline`: device 1: cannot parse pipeline",
+        ),
+        // What TOML itself cannot read names its line and the key with its table.
+        (
+            "sender",
+            "name = \"a\"\nreceiver = \"x:1\"\n[[device]]\nid = 0\nsource = \"radar-synthetic\"\n[[device]]\nsource = \"radar-synthetic\"\n",
+            "`device[1].id`: line 6: missing field `id`",
         ),
     ];
     for (n, (binary, text, key)) in cases.iter().enumerate() {

@@ -153,6 +153,9 @@ pub enum Source {
 
 pub struct Device {
     pub id: u8,
+    /// Which `[[device]]` entry of the file it came from (0-based): errors about its source
+    /// name the key, `device[entry].dir`.
+    pub entry: usize,
     pub kind: Source,
     pub policy: DropPolicy,
     pub frames: Option<u64>,
@@ -435,6 +438,7 @@ fn validate(cfg: &SenderConfig, file: &Path) -> Result<Vec<Device>, ConfigError>
             }
             devices.push(Device {
                 id: id as u8,
+                entry: n,
                 kind: kind.clone(),
                 policy,
                 frames: d.frames,
