@@ -417,19 +417,19 @@ pub struct LaunchSinks {
 
 impl LaunchSinks {
     /// Checks that every launch string parses (with an `appsrc` in front) before anything
-    /// streams.
+    /// streams. An error names the device whose pipeline failed (`None`: GStreamer itself).
     pub fn new(
         launches: HashMap<u8, String>,
         fallback: Arc<dyn FrameSink>,
-    ) -> Result<LaunchSinks, String> {
-        init()?;
+    ) -> Result<LaunchSinks, (Option<u8>, String)> {
+        init().map_err(|e| (None, e))?;
         for (device, launch) in &launches {
             let key = StreamKey {
                 sender: "check".into(),
                 device: *device,
             };
-            let (pipeline, _) =
-                Self::build(launch, &key).map_err(|e| format!("device {device}: {e}"))?;
+            let (pipeline, _) = Self::build(launch, &key)
+                .map_err(|e| (Some(*device), format!("device {device}: {e}")))?;
             let _ = pipeline.set_state(gst::State::Null);
         }
         Ok(LaunchSinks {

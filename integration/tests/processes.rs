@@ -553,6 +553,21 @@ fn bad_config_names_file_key_and_reason() {
             "{binary}: message {err:?} should name the file and {key}"
         );
     }
+    // A receiver's sink pipeline that does not parse names its `[[device]]` entry (on a socket
+    // of its own: the check comes after the listener is up).
+    let text = format!(
+        "listen = \"unix:{}\"\nout = \"{}\"\n[[device]]\nid = 2\nformat = \"ppm\"\n\
+         [[device]]\nid = 5\npipeline = \"videoconvert ! no-such-element ! fakesink\"\n",
+        tmp.path().join("rx.sock").display(),
+        tmp.path().join("out").display()
+    );
+    let cfg = write(tmp.path(), "pipeline.toml", &text);
+    let (code, err) = exits("receiver", &["--config", cfg.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{text:?}: {err}");
+    assert!(
+        err.contains("pipeline.toml: key `device[1].pipeline`: device 5: cannot parse pipeline"),
+        "{err}"
+    );
     // A bad value given on the command line is blamed on the flag, not on the config file,
     // and exits 2 like any bad input.
     let good = write(

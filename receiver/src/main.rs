@@ -106,8 +106,15 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         sink
     } else {
         Arc::new(
-            rdmastream_app::gst::LaunchSinks::new(pipelines, sink)
-                .map_err(|e| ConfigError::new(&file, "device.pipeline", e))?,
+            rdmastream_app::gst::LaunchSinks::new(pipelines, sink).map_err(|(device, e)| {
+                // Named as the file names it: the `[[device]]` entry of that device.
+                let entry = device.and_then(|d| cfg.device.iter().position(|c| c.id == d as u32));
+                let key = match entry {
+                    Some(n) => format!("device[{n}].pipeline"),
+                    None => "device.pipeline".to_string(),
+                };
+                ConfigError::new(&file, key, e)
+            })?,
         )
     };
     let receiver = ReceiverHandle::start(opts, Box::new(listener), observer.tap(sink))?;
