@@ -2,10 +2,12 @@
 //! either seal policy, and a header that decodes, once sealed, decodes to the same header and
 //! payload (a header-sealed one only where placement is ordered). Both layouts: a
 //! version 2 (coalesced) block that decodes is split into messages that lie inside the block, and
-//! re-encoding them gives back the same bytes.
+//! re-encoding them gives back the same bytes. A block that changes between the receiver's two
+//! copies (header, then trailer: a sender rewriting it) never panics the decode either, and a
+//! header it accepts keeps its payload inside the block.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use rdmastream::proto::{BlockError, BlockHeader, Placement};
+use rdmastream::proto::{BlockError, BlockHeader, OVERHEAD, Placement};
 use rdmastream::proto::coalesce::{
     decode_any, decode_coalesced, encode_coalesced, reseal_coalesced,
 };
@@ -26,6 +28,25 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(strict.unwrap_err(), BlockError::WeakSeal);
         } else {
             assert_eq!(strict.expect("a fully sealed valid header decodes").0, h);
+        }
+    }
+    // The first half as the block was when its header was copied, the second as it was later.
+    let (first, later) = data.split_at(data.len() / 2);
+    let later = &later[..first.len()];
+    for placement in [Placement::Ordered, Placement::Unordered] {
+        let mut copies = 0;
+        let got = BlockHeader::decode_block_copied(
+            first,
+            &mut |at, into| {
+                let from = if copies == 0 { first } else { later };
+                copies += 1;
+                into.copy_from_slice(&from[at..at + into.len()]);
+            },
+            max_device,
+            placement,
+        );
+        if let Ok(h) = got {
+            assert!(OVERHEAD + h.payload_len as usize <= first.len());
         }
     }
     if let Ok(msgs) = decode_any(data, max_device) {

@@ -123,7 +123,21 @@ pub fn coalesced_body_len(block: &[u8]) -> Result<usize, BlockError> {
     if block.len() < COALESCED_HEADER_LEN + TRAILER_LEN {
         return Err(BlockError::TooShort);
     }
-    let b = block;
+    let head: &[u8; COALESCED_HEADER_LEN] = block[..COALESCED_HEADER_LEN]
+        .try_into()
+        .expect("COALESCED_HEADER_LEN bytes");
+    coalesced_body_len_of(head, block.len())
+}
+
+/// [`coalesced_body_len`] of a header copied out of a block of `block_len` bytes.
+pub fn coalesced_body_len_of(
+    head: &[u8; COALESCED_HEADER_LEN],
+    block_len: usize,
+) -> Result<usize, BlockError> {
+    if block_len < COALESCED_HEADER_LEN + TRAILER_LEN {
+        return Err(BlockError::TooShort);
+    }
+    let b = head;
     if b[3] != COALESCED_VERSION {
         return Err(BlockError::BadVersion);
     }
@@ -134,7 +148,7 @@ pub fn coalesced_body_len(block: &[u8]) -> Result<usize, BlockError> {
         return Err(BlockError::BadFlags);
     }
     let body = u32::from_le_bytes(b[12..16].try_into().expect("4 bytes")) as usize;
-    if body > block.len() - COALESCED_HEADER_LEN - TRAILER_LEN {
+    if body > block_len - COALESCED_HEADER_LEN - TRAILER_LEN {
         return Err(BlockError::LengthOverBlock);
     }
     Ok(body)

@@ -279,13 +279,44 @@ impl BlockHeader {
         max_device: u8,
         placement: Placement,
     ) -> Result<(BlockHeader, &[u8]), BlockError> {
-        let h = Self::decode_header(block, max_device)?;
+        let h = Self::decode_block_copied(
+            block,
+            &mut |at, into| into.copy_from_slice(&block[at..at + into.len()]),
+            max_device,
+            placement,
+        )?;
+        Ok((h, &block[HEADER_LEN..HEADER_LEN + h.payload_len as usize]))
+    }
+
+    /// [`Self::decode_block_on`] for a block whose bytes a misbehaving sender may still be
+    /// changing (a receiver's memory block over shm or verbs): the header and the trailer are
+    /// each taken once, by `copy(at, into)` (which copies the block's bytes `at..at + into.len()`
+    /// into `into`, for the transport a copy a peer can no longer change), and every check and
+    /// every length handed back is of those copies. `block` itself is read only for its length
+    /// and, where the seal covers the payload, for the payload's CRC32C. Returns the header; the
+    /// payload is the block's bytes `HEADER_LEN..HEADER_LEN + payload_len`.
+    pub fn decode_block_copied(
+        block: &[u8],
+        copy: &mut dyn FnMut(usize, &mut [u8]),
+        max_device: u8,
+        placement: Placement,
+    ) -> Result<BlockHeader, BlockError> {
+        if block.len() < OVERHEAD {
+            return Err(BlockError::TooShort);
+        }
+        let mut head = [0u8; HEADER_LEN];
+        copy(0, &mut head);
+        let h = Self::decode_header_of(&head, block.len(), max_device)?;
         if h.is_header_sealed() && placement == Placement::Unordered {
             return Err(BlockError::WeakSeal);
         }
         let end = HEADER_LEN + h.payload_len as usize;
-        let t = &block[end..end + TRAILER_LEN];
-        let crc = crc32c::crc32c(&block[..h.crc_end()]);
+        let mut t = [0u8; TRAILER_LEN];
+        copy(end, &mut t);
+        let mut crc = crc32c::crc32c(&head);
+        if !h.is_header_sealed() {
+            crc = crc32c::crc32c_append(crc, &block[HEADER_LEN..end]);
+        }
         if t[0..4] != h.payload_len.to_le_bytes()
             || t[4..6] != h.packet.to_le_bytes()
             || t[6] != h.device
@@ -294,7 +325,7 @@ impl BlockHeader {
         {
             return Err(BlockError::BadSeal);
         }
-        Ok((h, &block[HEADER_LEN..end]))
+        Ok(h)
     }
 
     /// Decodes and range-checks the header only (no seal check).
@@ -302,7 +333,20 @@ impl BlockHeader {
         if block.len() < OVERHEAD {
             return Err(BlockError::TooShort);
         }
-        let b = block;
+        let head: &[u8; HEADER_LEN] = block[..HEADER_LEN].try_into().expect("HEADER_LEN bytes");
+        Self::decode_header_of(head, block.len(), max_device)
+    }
+
+    /// [`Self::decode_header`] of a header copied out of a block of `block_len` bytes.
+    pub fn decode_header_of(
+        head: &[u8; HEADER_LEN],
+        block_len: usize,
+        max_device: u8,
+    ) -> Result<BlockHeader, BlockError> {
+        if block_len < OVERHEAD {
+            return Err(BlockError::TooShort);
+        }
+        let b = head;
         let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]);
         let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
         let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
@@ -328,7 +372,7 @@ impl BlockHeader {
         if h.flags & !flags::KNOWN != 0 {
             return Err(BlockError::BadFlags);
         }
-        if h.payload_len as usize > payload_capacity(block.len()) {
+        if h.payload_len as usize > payload_capacity(block_len) {
             return Err(BlockError::LengthOverBlock);
         }
         if h.fragment_count == 0
@@ -589,5 +633,48 @@ mod tests {
             BlockHeader::decode_block(&torn, 255).unwrap_err(),
             BlockError::BadSeal
         );
+    }
+
+    /// What a receiver checks is what it uses: a block's header and trailer are each taken once,
+    /// in one copy, whatever the seal covers, so a sender that changes them meanwhile cannot make
+    /// a check and the use after it see different bytes.
+    #[test]
+    fn header_and_trailer_are_each_copied_once() {
+        for placement in [Placement::Unordered, Placement::Ordered] {
+            let h = sample().sealed_for(placement);
+            let mut block = vec![0xEE; 128];
+            h.encode_block(b"hello", &mut block);
+            let mut copies = Vec::new();
+            let got = BlockHeader::decode_block_copied(
+                &block,
+                &mut |at, into| {
+                    copies.push((at, into.len()));
+                    into.copy_from_slice(&block[at..at + into.len()]);
+                },
+                255,
+                placement,
+            );
+            assert_eq!(got, Ok(h));
+            assert_eq!(copies, [(0, HEADER_LEN), (HEADER_LEN + 5, TRAILER_LEN)]);
+        }
+    }
+
+    /// The header the decode returns is its copy's, not the block's bytes read again: here the
+    /// block's bytes claim a payload past the block (as a sender could store after the copy),
+    /// and the decode still answers from the honest copy, within bounds.
+    #[test]
+    fn a_header_changed_after_its_copy_is_not_read_again() {
+        let h = sample().sealed_for(Placement::Ordered);
+        let mut honest = vec![0; 128];
+        h.encode_block(b"hello", &mut honest);
+        let mut changed = honest.clone();
+        changed[12..16].copy_from_slice(&100_000u32.to_le_bytes());
+        let got = BlockHeader::decode_block_copied(
+            &changed,
+            &mut |at, into| into.copy_from_slice(&honest[at..at + into.len()]),
+            255,
+            Placement::Ordered,
+        );
+        assert_eq!(got.map(|g| g.payload_len), Ok(5));
     }
 }
