@@ -17,12 +17,15 @@
 //! posts a receive per block and SENDs an ACK per block (counted by its `WorkCounter`s).
 //!
 //! The shm transport ([`shm`], for a sender and a receiver on one host) lives here too: it maps
-//! memory another process writes, which takes `unsafe` ([`shared`]).
+//! memory another process writes, which takes `unsafe` ([`shared`]). Both transports' regions
+//! copy a block's header and trailer out with volatile loads before the receiver checks them
+//! (`volatile`), since a misbehaving sender can still be writing the block.
 
 pub mod ibv;
 pub mod shared;
 pub mod shm;
 mod side;
+mod volatile;
 
 use std::net::{Shutdown, TcpStream};
 use std::ops::Range;
@@ -1048,6 +1051,17 @@ impl Region for VerbsRegion {
     fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8])) {
         f(self.block_bytes(j))
     }
+    /// A volatile copy: a sender's RDMA WRITE may be placing these bytes.
+    fn copy_from_block(&self, j: usize, at: usize, into: &mut [u8]) {
+        let r = self.block_range(j);
+        assert!(
+            at.checked_add(into.len()).is_some_and(|end| end <= r.len()),
+            "{} bytes at {at} are outside a {}-byte block",
+            into.len(),
+            r.len()
+        );
+        self.blocks.copy_out(r.start + at, into);
+    }
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
@@ -1108,6 +1122,9 @@ impl HeldBytes for VerbsHeld {
     fn bytes(&self) -> &[u8] {
         // The block stays RETAINED while this exists, so the sender skips it.
         self.region.block_bytes(self.index)
+    }
+    fn copy_out(&self, at: usize, into: &mut [u8]) {
+        self.region.copy_from_block(self.index, at, into)
     }
 }
 

@@ -202,14 +202,19 @@ impl SharedMapping {
     /// whatever the bytes were, torn or not, which is why blocks carry a seal). For tests and
     /// tools.
     pub fn read(&self, offset: usize, len: usize) -> Vec<u8> {
-        self.check(offset, len);
         let mut out = vec![0u8; len];
-        // SAFETY: inside the mapping; the copy goes into a fresh Vec of this process, and no
-        // reference to the shared bytes is made.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), len)
-        }
+        self.copy_out(offset, &mut out);
         out
+    }
+
+    /// Copies the `into.len()` bytes at `offset` into `into` with volatile loads (a peer may be
+    /// writing them: what comes out is whatever they were, torn or not, but it is this process's
+    /// own copy, decoded and checked once). Panics if they are outside the mapping.
+    pub fn copy_out(&self, offset: usize, into: &mut [u8]) {
+        self.check(offset, into.len());
+        // SAFETY: inside the mapping (checked), which `self` keeps mapped for the call; no
+        // reference to the shared bytes is made.
+        unsafe { crate::volatile::copy(self.ptr.as_ptr().add(offset), into) }
     }
 }
 

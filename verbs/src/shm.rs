@@ -193,6 +193,16 @@ impl Region for ShmRegion {
     fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8])) {
         f(self.block_bytes(j))
     }
+    /// A volatile copy: the sender's process maps these bytes too.
+    fn copy_from_block(&self, j: usize, at: usize, into: &mut [u8]) {
+        let b = self.layout.block_size;
+        assert!(
+            at.checked_add(into.len()).is_some_and(|end| end <= b),
+            "{} bytes at {at} are outside a {b}-byte block",
+            into.len()
+        );
+        self.mapping.copy_out(self.blocks_at + j * b + at, into);
+    }
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
@@ -240,6 +250,9 @@ impl HeldBytes for ShmHeld {
     fn bytes(&self) -> &[u8] {
         // The block stays RETAINED while this exists, so the sender skips it.
         self.region.block_bytes(self.index)
+    }
+    fn copy_out(&self, at: usize, into: &mut [u8]) {
+        self.region.copy_from_block(self.index, at, into)
     }
 }
 

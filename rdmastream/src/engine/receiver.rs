@@ -17,7 +17,7 @@ use bytes::Bytes;
 use crate::proto::coalesce;
 use crate::proto::{
     BlockError, BlockHeader, BlockScanner, Budget, HEADER_LEN, Limits, Packet, Released,
-    ReorderConfig, SenderSession, StreamEvent,
+    ReorderConfig, SenderSession, StreamEvent, TRAILER_LEN,
 };
 use crate::stats::{DeviceCounters, Registry, unix_now_ns};
 use crate::transport::{AcceptWaker, Accepted, Listener, RefusalKind, Region, RetainedBlock};
@@ -597,15 +597,21 @@ fn has_room(
     (zero_copy_limit, lossless_in_place): (usize, bool),
     memory: &Budget,
 ) -> bool {
-    let mut header = None;
-    let mut coalesced = None;
-    region.read_block(j, &mut |b| {
-        if coalesce::block_version(b) == Some(coalesce::COALESCED_VERSION) {
-            coalesced = coalesce::coalesced_body_len(b).ok();
+    // Decoded from a copy of the header, as `take_block` does (a sender may change its bytes).
+    let block_len = region.layout().block_size;
+    let mut head = [0u8; HEADER_LEN];
+    let (mut header, mut coalesced) = (None, None);
+    if block_len >= head.len() {
+        region.copy_from_block(j, 0, &mut head);
+        if head[coalesce::VERSION_OFFSET] == coalesce::COALESCED_VERSION {
+            let first = head[..coalesce::COALESCED_HEADER_LEN]
+                .try_into()
+                .expect("16 bytes");
+            coalesced = coalesce::coalesced_body_len_of(first, block_len).ok();
         } else {
-            header = BlockHeader::decode_header(b, shared.opts.max_device).ok();
+            header = BlockHeader::decode_header_of(&head, block_len, shared.opts.max_device).ok();
         }
-    });
+    }
     if let Some(body) = coalesced {
         // Every message of a coalesced block is copied out (at most its body).
         return memory.available() >= body;
@@ -640,14 +646,23 @@ fn take_block(
     memory: &Arc<Budget>,
 ) -> std::result::Result<Vec<Packet>, BlockError> {
     let held = region.clone().retain(j);
-    if coalesce::block_version(&held) == Some(coalesce::COALESCED_VERSION) {
-        // Several small lossy messages: validated whole, copied out, the block freed at once
-        // (when `held` drops).
-        let msgs = coalesce::decode_coalesced(&held, max_device)?;
+    let mut head = [0u8; coalesce::COALESCED_HEADER_LEN];
+    if held.len() >= head.len() {
+        held.copy_out(0, &mut head);
+    }
+    if head[coalesce::VERSION_OFFSET] == coalesce::COALESCED_VERSION {
+        // Several small lossy messages: the used bytes copied out of the block once (the block
+        // is freed at once, when `held` drops), then validated and split from that copy, so
+        // what is handed on is what was checked.
+        let body = coalesce::coalesced_body_len_of(&head, held.len())?;
+        let mut copy = vec![0u8; coalesce::COALESCED_HEADER_LEN + body + TRAILER_LEN];
+        held.copy_out(0, &mut copy);
+        drop(held);
+        let msgs = coalesce::decode_coalesced(&copy, max_device)?;
         return msgs
             .into_iter()
             .map(|(header, range)| {
-                let payload = crate::proto::budget::reserved_copy(memory, &held[range])
+                let payload = crate::proto::budget::reserved_copy(memory, &copy[range])
                     .ok_or(BlockError::OverBudget)?;
                 Ok(Packet {
                     header,
@@ -671,8 +686,16 @@ fn take_single(
 ) -> std::result::Result<Packet, BlockError> {
     let (header, range) = {
         // Over tcp and shm a block may be sealed over its header only; over verbs it may not.
-        let (h, payload) = BlockHeader::decode_block_on(&held, max_device, region.placement())?;
-        (h, HEADER_LEN..HEADER_LEN + payload.len())
+        // Header and trailer are checked as copied out of the block, and every length used
+        // below is the copy's (a sender that changes its block after the check changes only
+        // its own payload).
+        let h = BlockHeader::decode_block_copied(
+            &held,
+            &mut |at, into| held.copy_out(at, into),
+            max_device,
+            region.placement(),
+        )?;
+        (h, HEADER_LEN..HEADER_LEN + h.payload_len as usize)
     };
     let zero_copy = region.retained() <= zero_copy_limit && header.fragment_count == 1;
     if header.is_reliable() && header.is_last_fragment() {

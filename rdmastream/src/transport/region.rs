@@ -31,6 +31,16 @@ pub trait Region: Send + Sync {
     /// Runs `f` over the bytes of block `j`. Only call while its status is FULL or RETAINED:
     /// then the sender does not write it.
     fn read_block(&self, j: usize, f: &mut dyn FnMut(&[u8]));
+    /// Copies bytes `at..at + into.len()` of block `j` into `into`: a copy a misbehaving sender
+    /// can no longer change, for what the receiver checks and then relies on (a block's header
+    /// and trailer, a coalesced block's messages). Same rule as [`Self::read_block`]; panics if
+    /// the range is outside the block. The default copies what `read_block` shows (a software
+    /// region's block does not change while it is read: the emulated NIC writes it under the
+    /// same lock); regions whose bytes a sender's process or NIC reaches directly (shm, verbs)
+    /// copy with volatile loads.
+    fn copy_from_block(&self, j: usize, at: usize, into: &mut [u8]) {
+        self.read_block(j, &mut |b| into.copy_from_slice(&b[at..at + into.len()]));
+    }
     /// True once the sender's connection is gone: nothing will be written any more.
     fn is_closed(&self) -> bool;
     /// The receiver is done with this sender (it is shutting down): end the connection so the
@@ -74,6 +84,10 @@ pub trait Region: Send + Sync {
 /// The bytes of a retained block, however the region stores them.
 pub trait HeldBytes: Send + Sync {
     fn bytes(&self) -> &[u8];
+    /// Copies bytes `at..at + into.len()` into `into` (see [`Region::copy_from_block`]).
+    fn copy_out(&self, at: usize, into: &mut [u8]) {
+        into.copy_from_slice(&self.bytes()[at..at + into.len()]);
+    }
 }
 
 /// A receiver memory block kept with status RETAINED; dereferences to the block's bytes and
@@ -102,6 +116,16 @@ impl RetainedBlock {
     /// Which block this is.
     pub fn index(&self) -> usize {
         self.index
+    }
+
+    /// Copies bytes `at..at + into.len()` of the block into `into`, as a copy a misbehaving
+    /// sender can no longer change (see [`Region::copy_from_block`]). Panics if the range is
+    /// outside the block.
+    pub fn copy_out(&self, at: usize, into: &mut [u8]) {
+        self.held
+            .as_ref()
+            .expect("held until drop")
+            .copy_out(at, into)
     }
 
     /// Makes the block wait for an acknowledgement: it is freed (status 0, which the sender

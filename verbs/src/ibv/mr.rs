@@ -222,6 +222,16 @@ impl MemoryRegion {
         self.len
     }
 
+    /// Copies the `into.len()` bytes at `at` into `into` with volatile loads: safe whoever
+    /// writes them meanwhile (a peer's RDMA WRITE), as no reference to them is made; what comes
+    /// out may be torn, which is what a block's seal is checked for. Panics if they are out of
+    /// bounds.
+    pub fn copy_out(&self, at: usize, into: &mut [u8]) {
+        self.check_range(&(at..at + into.len()));
+        // SAFETY: in bounds (checked); the buffer is allocated and owned by `self` for the call.
+        unsafe { crate::volatile::copy(self.buf.ptr.as_ptr().add(at), into) }
+    }
+
     /// Always `false`: empty regions cannot be registered.
     pub fn is_empty(&self) -> bool {
         self.len == 0
