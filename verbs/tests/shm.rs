@@ -262,6 +262,90 @@ fn a_block_torn_by_its_sender_fails_the_seal() {
     assert_eq!(region.status(1), status::EMPTY);
 }
 
+/// The receiver's copies of a block (what it decodes and checks): the bytes the sender wrote, at
+/// any offset of the block, from the region and from a retained block alike; a range past the
+/// block is refused; and a header rewritten by the sender after the receiver's copy of it does
+/// not change what that decode answers.
+#[test]
+fn the_receivers_copies_of_a_block_are_the_senders_bytes() {
+    let mut pair = listen(RegionSettings::plain(2, 4096));
+    let (mut conn, accepted, blocks) = pair.connect("edge-a", None);
+    let region = accepted.region.clone();
+    let h = BlockHeader {
+        device: 1,
+        packet: 9,
+        flags: 0,
+        fragment_index: 0,
+        fragment_count: 1,
+        payload_len: 1000,
+        frame_index: 9,
+        timestamp_ns: 0,
+        message_len: 1000,
+        duration_ns: 0,
+        pts_ns: 0,
+    }
+    .sealed_for(region.placement());
+    let payload: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+    let used = blocks.fill(1, |b| h.encode_block(&payload, b));
+    write_block(conn.as_mut(), 1, 1, 1, used);
+    let mut written = Vec::new();
+    region.read_block(1, &mut |b| written = b[..used].to_vec());
+    for (at, len) in [(0, 48), (3, 1), (5, 13), (48, 1000), (1048, 12), (4000, 96)] {
+        let mut copy = vec![0xEE; len];
+        region.copy_from_block(1, at, &mut copy);
+        let mut expected = vec![0; len];
+        region.read_block(1, &mut |b| expected.copy_from_slice(&b[at..at + len]));
+        assert_eq!(copy, expected, "at {at}, len {len}");
+    }
+    let decoded = BlockHeader::decode_block_copied(
+        &written,
+        &mut |at, into| region.copy_from_block(1, at, into),
+        255,
+        region.placement(),
+    );
+    assert_eq!(decoded, Ok(h));
+    let past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        region.copy_from_block(1, 4090, &mut [0; 8])
+    }));
+    assert!(past.is_err(), "a copy past the block must be refused");
+    let held = region.clone().retain(1);
+    let mut head = [0; 48];
+    held.copy_out(0, &mut head);
+    assert_eq!(head[..], written[..48]);
+    // The sender rewrites the header's length after the copy (breaking the protocol): the
+    // decode answers from its copy of the header, and the trailer is the one it wrote.
+    let mut lying = h;
+    lying.payload_len = 3000;
+    lying.message_len = 3000;
+    let lied = blocks.fill(0, |b| {
+        lying.encode_block(&[0; 3000], b);
+        48
+    });
+    let mut first = true;
+    let decoded = BlockHeader::decode_block_copied(
+        &written,
+        &mut |at, into| {
+            held.copy_out(at, into);
+            if std::mem::take(&mut first) {
+                write_block(conn.as_mut(), 2, 0, 1, lied);
+            }
+        },
+        255,
+        region.placement(),
+    );
+    assert_eq!(decoded.map(|d| d.payload_len), Ok(1000));
+    // The rewrite did land: a decode copying the header now sees the lie, and refuses it.
+    held.copy_out(0, &mut head);
+    assert_eq!(head[12..16], 3000u32.to_le_bytes());
+    let now = BlockHeader::decode_block_copied(
+        &written,
+        &mut |at, into| held.copy_out(at, into),
+        255,
+        region.placement(),
+    );
+    assert!(now.is_err(), "{now:?}");
+}
+
 #[test]
 fn keys_block_size_and_data_path_are_checked_as_on_every_transport() {
     let access = AccessControl::new(
