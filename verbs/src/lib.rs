@@ -1054,12 +1054,7 @@ impl Region for VerbsRegion {
     /// A volatile copy: a sender's RDMA WRITE may be placing these bytes.
     fn copy_from_block(&self, j: usize, at: usize, into: &mut [u8]) {
         let r = self.block_range(j);
-        assert!(
-            at.checked_add(into.len()).is_some_and(|end| end <= r.len()),
-            "{} bytes at {at} are outside a {}-byte block",
-            into.len(),
-            r.len()
-        );
+        assert_in_block(at, into.len(), r.len());
         self.blocks.copy_out(r.start + at, into);
     }
     fn is_closed(&self) -> bool {
@@ -1111,6 +1106,16 @@ impl Region for VerbsRegion {
     fn work_counts(&self) -> Option<WorkCounts> {
         self.window.as_ref().map(|w| w.counts.snapshot())
     }
+}
+
+/// Panics unless `len` bytes at `at` lie inside a block of `block_size` bytes: the check of
+/// both transports' `Region::copy_from_block` (the offsets are the receiver's own, so one
+/// outside the block is a bug, never a peer's doing).
+pub(crate) fn assert_in_block(at: usize, len: usize, block_size: usize) {
+    assert!(
+        at.checked_add(len).is_some_and(|end| end <= block_size),
+        "{len} bytes at {at} are outside a {block_size}-byte block"
+    );
 }
 
 struct VerbsHeld {

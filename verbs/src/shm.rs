@@ -196,11 +196,7 @@ impl Region for ShmRegion {
     /// A volatile copy: the sender's process maps these bytes too.
     fn copy_from_block(&self, j: usize, at: usize, into: &mut [u8]) {
         let b = self.layout.block_size;
-        assert!(
-            at.checked_add(into.len()).is_some_and(|end| end <= b),
-            "{} bytes at {at} are outside a {b}-byte block",
-            into.len()
-        );
+        crate::assert_in_block(at, into.len(), b);
         self.mapping.copy_out(self.blocks_at + j * b + at, into);
     }
     fn is_closed(&self) -> bool {
