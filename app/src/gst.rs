@@ -416,14 +416,16 @@ pub struct LaunchSinks {
 }
 
 impl LaunchSinks {
-    /// Checks that every launch string parses (with an `appsrc` in front) before anything
-    /// streams. An error names the device whose pipeline failed (`None`: GStreamer itself).
-    pub fn new(
-        launches: HashMap<u8, String>,
-        fallback: Arc<dyn FrameSink>,
-    ) -> Result<LaunchSinks, (Option<u8>, String)> {
+    /// Checks that every launch string parses (with an `appsrc` in front), without starting
+    /// anything: the receiver calls it before it listens, so a bad pipeline is reported before
+    /// any port is taken. An error names the device whose pipeline failed (`None`: GStreamer
+    /// itself).
+    pub fn check(launches: &HashMap<u8, String>) -> Result<(), (Option<u8>, String)> {
+        if launches.is_empty() {
+            return Ok(());
+        }
         init().map_err(|e| (None, e))?;
-        for (device, launch) in &launches {
+        for (device, launch) in launches {
             let key = StreamKey {
                 sender: "check".into(),
                 device: *device,
@@ -432,6 +434,15 @@ impl LaunchSinks {
                 .map_err(|e| (Some(*device), format!("device {device}: {e}")))?;
             let _ = pipeline.set_state(gst::State::Null);
         }
+        Ok(())
+    }
+
+    /// The sinks, after [`Self::check`]ing every launch string (errors as there).
+    pub fn new(
+        launches: HashMap<u8, String>,
+        fallback: Arc<dyn FrameSink>,
+    ) -> Result<LaunchSinks, (Option<u8>, String)> {
+        Self::check(&launches)?;
         Ok(LaunchSinks {
             launches,
             fallback,

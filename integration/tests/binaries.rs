@@ -231,6 +231,40 @@ fn a_sink_pipeline_writing_a_file_without_session_is_a_config_error() {
     );
 }
 
+/// A sink pipeline that does not parse is reported before the receiver takes its port or
+/// creates its output directory: with the port busy too, the pipeline is the error named.
+#[test]
+fn a_bad_sink_pipeline_is_reported_before_the_receiver_listens() {
+    let dir = tempfile::tempdir().unwrap();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let toml = dir.path().join("receiver.toml");
+    let out_dir = dir.path().join("out");
+    std::fs::write(
+        &toml,
+        format!(
+            "listen = \"{}\"\nout = \"{}\"\n[[device]]\nid = 2\npipeline = \"fakesink\"\n[[device]]\nid = 5\npipeline = \"nosuchelement ! fakesink\"\n",
+            busy.local_addr().unwrap(),
+            out_dir.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(bin("receiver"))
+        .args(["--config", toml.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("device[1].pipeline") && text.contains("nosuchelement"),
+        "{text}"
+    );
+    assert!(
+        !out_dir.exists(),
+        "the output directory was created: {text}"
+    );
+    drop(busy);
+}
+
 #[test]
 fn a_gstreamer_source_without_appsink_is_a_config_error() {
     let dir = tempfile::tempdir().unwrap();
