@@ -613,8 +613,8 @@ fn has_room(
         }
     }
     if let Some(body) = coalesced {
-        // Every message of a coalesced block is copied out (at most its body).
-        return memory.available() >= body;
+        // A coalesced block's used bytes are copied out whole (see `take_block`).
+        return memory.available() >= coalesced_copy_len(body);
     }
     let Some(h) = header else { return true };
     let payload = h.payload_len as usize;
@@ -631,6 +631,12 @@ fn has_room(
         0
     };
     need == 0 || memory.available() >= need
+}
+
+/// Bytes of the copy `take_block` makes of a coalesced block whose body is `body` bytes: its
+/// header, body and trailer.
+fn coalesced_copy_len(body: usize) -> usize {
+    coalesce::COALESCED_HEADER_LEN + body + TRAILER_LEN
 }
 
 /// Takes block `j`: retains it (status 2), validates it, and either hands its payload on as is
@@ -653,24 +659,25 @@ fn take_block(
     if head[coalesce::VERSION_OFFSET] == coalesce::COALESCED_VERSION {
         // Several small lossy messages: the used bytes copied out of the block once (the block
         // is freed at once, when `held` drops), then validated and split from that copy, so
-        // what is handed on is what was checked.
+        // what is handed on is what was checked. The messages are slices of that one copy,
+        // which holds its reservation (the whole copy, as `has_room` checked) until the last
+        // of them is dropped: one copy per block, not one more per message.
         let body = coalesce::coalesced_body_len_of(&head, held.len())?;
-        let mut copy = vec![0u8; coalesce::COALESCED_HEADER_LEN + body + TRAILER_LEN];
+        let used = coalesced_copy_len(body);
+        let reservation = memory.try_reserve(used).ok_or(BlockError::OverBudget)?;
+        let mut copy = vec![0u8; used];
         held.copy_out(0, &mut copy);
         drop(held);
         let msgs = coalesce::decode_coalesced(&copy, max_device)?;
-        return msgs
+        let copy = Bytes::from_owner(crate::proto::budget::Reserved::new(copy, reservation));
+        return Ok(msgs
             .into_iter()
-            .map(|(header, range)| {
-                let payload = crate::proto::budget::reserved_copy(memory, &copy[range])
-                    .ok_or(BlockError::OverBudget)?;
-                Ok(Packet {
-                    header,
-                    payload,
-                    ack: None,
-                })
+            .map(|(header, range)| Packet {
+                header,
+                payload: copy.slice(range),
+                ack: None,
             })
-            .collect();
+            .collect());
     }
     take_single(held, region, j, max_device, zero_copy, memory).map(|p| vec![p])
 }
@@ -877,5 +884,63 @@ mod tests {
             drop(p);
             assert_eq!(region.status(j), status::RETAINED, "block {j}");
         }
+    }
+
+    /// A coalesced block's messages are slices of one copy: the block is freed as it is taken,
+    /// the copy holds exactly the reservation `has_room` checked until the last message is
+    /// dropped, and a budget without room for the whole copy takes none of it.
+    #[test]
+    fn a_coalesced_block_is_one_reserved_copy_shared_by_its_messages() {
+        let settings = RegionSettings::plain(2, 4096);
+        let soft = SoftRegion::new(&settings);
+        let region: Arc<dyn Region> = soft.clone();
+        let msgs: Vec<(BlockHeader, Vec<u8>)> = (0..3u8)
+            .map(|d| {
+                let payload = vec![d + 1; 100 + d as usize];
+                (BlockHeader::single(d + 1, payload.len()), payload)
+            })
+            .collect();
+        let used = coalesce::coalesced_len(msgs.iter().map(|(_, p)| p.len()));
+        let write = |j: usize| {
+            soft.write_with(Target::Blocks, (j * 4096) as u64, 4096, |b| {
+                coalesce::encode_coalesced(&msgs, b);
+                Ok(())
+            })
+            .unwrap()
+            .unwrap();
+            soft.write_with(Target::Statuses, j as u64, 1, |b| {
+                b[0] = status::FULL;
+                Ok(())
+            })
+            .unwrap()
+            .unwrap();
+        };
+
+        // What `has_room` asks for is what is reserved.
+        let body = used - coalesce::COALESCED_HEADER_LEN - TRAILER_LEN;
+        assert_eq!(coalesced_copy_len(body), used);
+
+        // One byte short of the whole copy: nothing reserved (`has_room` would have waited).
+        let memory = Budget::new(used - 1);
+        write(0);
+        assert_eq!(
+            take_block(&region, 0, 8, (1, false), &memory).unwrap_err(),
+            BlockError::OverBudget
+        );
+        assert_eq!((memory.used(), region.status(0)), (0, status::EMPTY));
+
+        let memory = Budget::new(used);
+        write(1);
+        let mut got = take_block(&region, 1, 8, (1, false), &memory).unwrap();
+        assert_eq!(region.status(1), status::EMPTY, "freed once copied");
+        assert_eq!(memory.used(), used, "one reservation: the whole copy");
+        assert_eq!(got.len(), 3);
+        for (p, (h, payload)) in got.iter().zip(&msgs) {
+            assert_eq!((p.header.device, &p.payload[..]), (h.device, &payload[..]));
+        }
+        got.truncate(1);
+        assert_eq!(memory.used(), used, "held while one message lives");
+        drop(got);
+        assert_eq!(memory.used(), 0);
     }
 }
