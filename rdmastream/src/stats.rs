@@ -279,7 +279,12 @@ impl<K: Ord + Clone> Default for Registry<K> {
 impl<K: Ord + Clone> Registry<K> {
     /// The counters of `key`, created on first use.
     pub fn device(&self, key: &K) -> std::sync::Arc<DeviceCounters> {
-        self.devices.lock().entry(key.clone()).or_default().clone()
+        let mut devices = self.devices.lock();
+        // The key is copied only when it is new.
+        if let Some(c) = devices.get(key) {
+            return c.clone();
+        }
+        devices.entry(key.clone()).or_default().clone()
     }
 
     /// All keys and counters, in key order.
