@@ -402,6 +402,16 @@ impl DevicePipeline {
     }
 }
 
+/// Launch strings of [`LaunchSinks`] that parsed ([`LaunchSinks::check`]).
+pub struct CheckedLaunches(HashMap<u8, String>);
+
+impl CheckedLaunches {
+    /// No device has a pipeline.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// Per configured device, frames go into `appsrc ! <launch>`; other devices go to `fallback`.
 ///
 /// In a launch string `{sender}` and `{device}` are replaced by the sender name and device
@@ -420,12 +430,11 @@ impl LaunchSinks {
     /// anything: the receiver calls it before it listens, so a bad pipeline is reported before
     /// any port is taken. An error names the device whose pipeline failed (`None`: GStreamer
     /// itself).
-    pub fn check(launches: &HashMap<u8, String>) -> Result<(), (Option<u8>, String)> {
-        if launches.is_empty() {
-            return Ok(());
+    pub fn check(launches: HashMap<u8, String>) -> Result<CheckedLaunches, (Option<u8>, String)> {
+        if !launches.is_empty() {
+            init().map_err(|e| (None, e))?;
         }
-        init().map_err(|e| (None, e))?;
-        for (device, launch) in launches {
+        for (device, launch) in &launches {
             let key = StreamKey {
                 sender: "check".into(),
                 device: *device,
@@ -434,20 +443,16 @@ impl LaunchSinks {
                 .map_err(|e| (Some(*device), format!("device {device}: {e}")))?;
             let _ = pipeline.set_state(gst::State::Null);
         }
-        Ok(())
+        Ok(CheckedLaunches(launches))
     }
 
-    /// The sinks, after [`Self::check`]ing every launch string (errors as there).
-    pub fn new(
-        launches: HashMap<u8, String>,
-        fallback: Arc<dyn FrameSink>,
-    ) -> Result<LaunchSinks, (Option<u8>, String)> {
-        Self::check(&launches)?;
-        Ok(LaunchSinks {
-            launches,
+    /// The sinks of launch strings [`Self::check`] passed (so each is parsed once at start-up).
+    pub fn new(launches: CheckedLaunches, fallback: Arc<dyn FrameSink>) -> LaunchSinks {
+        LaunchSinks {
+            launches: launches.0,
             fallback,
             running: Mutex::new(HashMap::new()),
-        })
+        }
     }
 
     fn build(launch: &str, key: &StreamKey) -> Result<(gst::Pipeline, gst_app::AppSrc), String> {

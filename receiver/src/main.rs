@@ -92,7 +92,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     // Devices with a `pipeline` go to GStreamer (rdmastream_app::gst::LaunchSinks), the rest to
     // files. The pipelines are checked first, before any port is taken: a typo in one is the
     // error reported, not a busy port, and nothing has listened when it is.
-    let bad_pipeline = |(device, e): (Option<u8>, String)| {
+    let pipelines = rdmastream_app::gst::LaunchSinks::check(pipelines).map_err(|(device, e)| {
         // Named as the file names it: the `[[device]]` entry of that device.
         let entry = device.and_then(|d| cfg.device.iter().position(|c| c.id == d as u32));
         let key = match entry {
@@ -100,8 +100,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             None => "device.pipeline".to_string(),
         };
         ConfigError::new(&file, key, e)
-    };
-    rdmastream_app::gst::LaunchSinks::check(&pipelines).map_err(bad_pipeline)?;
+    })?;
     let (memory, disk_budget) = (opts.limits.budget.clone(), sink_opts.disk_budget);
     let observer = Observer::start(Role::Receiver, cfg.metrics.as_deref(), cfg.status_interval)?;
     let verbs = VerbsSettings {
@@ -117,7 +116,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     let sink: Arc<dyn rdmastream::engine::FrameSink> = if pipelines.is_empty() {
         sink
     } else {
-        Arc::new(rdmastream_app::gst::LaunchSinks::new(pipelines, sink).map_err(bad_pipeline)?)
+        Arc::new(rdmastream_app::gst::LaunchSinks::new(pipelines, sink))
     };
     let receiver = ReceiverHandle::start(opts, Box::new(listener), observer.tap(sink))?;
     tracing::info!(
