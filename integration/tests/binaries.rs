@@ -208,6 +208,18 @@ fn only_file(dir: &std::path::Path, prefix: &str, suffix: &str) -> std::path::Pa
     found.into_iter().next().unwrap()
 }
 
+/// Runs binary `name` with `--config config` to its exit: its exit code and its stderr.
+fn run_with_config(name: &str, config: &Path) -> (Option<i32>, String) {
+    let out = Command::new(bin(name))
+        .args(["--config", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// A sink pipeline that writes a file must name it per stream ({session}): a later stream of
 /// the device would replace the earlier one's file.
 #[test]
@@ -219,12 +231,8 @@ fn a_sink_pipeline_writing_a_file_without_session_is_a_config_error() {
         "listen = \"127.0.0.1:1\"\n[[device]]\nid = 3\npipeline = \"filesink location=dev{device}.raw\"\n",
     )
     .unwrap();
-    let out = Command::new(bin("receiver"))
-        .args(["--config", toml.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{text}");
+    let (code, text) = run_with_config("receiver", &toml);
+    assert_eq!(code, Some(2), "{text}");
     assert!(
         text.contains("device[0].pipeline") && text.contains("{session}"),
         "{text}"
@@ -248,12 +256,8 @@ fn a_bad_sink_pipeline_is_reported_before_the_receiver_listens() {
         ),
     )
     .unwrap();
-    let out = Command::new(bin("receiver"))
-        .args(["--config", toml.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{text}");
+    let (code, text) = run_with_config("receiver", &toml);
+    assert_eq!(code, Some(2), "{text}");
     assert!(
         text.contains("device[1].pipeline") && text.contains("nosuchelement"),
         "{text}"
@@ -282,12 +286,8 @@ pipeline = "videotestsrc ! fakesink"
 "#,
     )
     .unwrap();
-    let out = Command::new(bin("sender"))
-        .args(["--config", toml.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (code, text) = run_with_config("sender", &toml);
+    assert_ne!(code, Some(0), "{text}");
     assert!(
         text.contains("appsink") && text.contains("device 0"),
         "{text}"
